@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# ./run.sh        set everything up, then launch PagedChat
+# ./run.sh test   set everything up, then run the whole test suite (what CI runs)
+# ./run.sh bench  set everything up, then run the engine benchmarks
+set -euo pipefail
+cd "$(dirname "$0")"
+scripts/setup.sh
+source scripts/env.sh
+case "${1:-run}" in
+    test)
+        shift
+        .venv/bin/ruff check .
+        exec .venv/bin/python -m pytest "$@"
+        ;;
+    bench)
+        shift
+        exec .venv/bin/python -m bench.run_all "$@"
+        ;;
+    run)
+        shift || true
+        exec .venv/bin/pagedchat "$@"
+        ;;
+    *)
+        exec .venv/bin/pagedchat "$@"
+        ;;
+esac
