@@ -1,0 +1,1 @@
+"""PagedChat desktop application (PySide6 + qasync)."""

@@ -1,0 +1,1 @@
+"""Chat pane: message model, rendering, input."""

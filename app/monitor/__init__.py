@@ -1,0 +1,1 @@
+"""The KV-block memory monitor."""

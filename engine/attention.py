@@ -1,0 +1,65 @@
+"""Attention over the paged KV pool.
+
+Two implementations behind one entry point, chosen at run time:
+
+* the **reference** path gathers the blocks named by the block tables into a contiguous,
+  masked K/V and calls ``mx.fast.scaled_dot_product_attention``. It runs on every backend and
+  is the oracle every kernel is tested against;
+* the **Metal kernel** path (decode only) reads K/V straight from the pool through the block
+  tables (``engine.kernels``), used when the Metal backend is available.
+
+Pool layout (per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def gather_blocks(pool: mx.array, block_table: mx.array) -> mx.array:
+    """K or V of the blocks in ``block_table`` ([..., nb]) as [..., kv_heads, nb*bs, head_dim]."""
+    blocks = pool[block_table]  # [..., nb, bs, kvh, d]
+    *lead, nb, bs, kvh, d = blocks.shape
+    tokens = blocks.reshape(*lead, nb * bs, kvh, d)
+    return mx.swapaxes(tokens, -2, -3)
+
+
+def reference_decode(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+) -> mx.array:
+    """One query token per sequence.
+
+    q: [B, H, 1, D]; block_tables: int32 [B, max_blocks] (unused entries may hold any valid
+    block id); context_lens: int32 [B], the tokens each query attends to (its own included).
+    Returns [B, H, 1, D].
+    """
+    k = gather_blocks(k_pool, block_tables)  # [B, kvh, T, D]
+    v = gather_blocks(v_pool, block_tables)
+    positions = mx.arange(k.shape[2])
+    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [B,1,1,T]
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def reference_prefill(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_table: mx.array,
+    context_len: int,
+    scale: float,
+) -> mx.array:
+    """A chunk of L consecutive query tokens of one sequence, the last of them at position
+    ``context_len - 1``: causal inside the chunk, full over the sequence's earlier tokens.
+
+    q: [1, H, L, D]; block_table: int32 [nb] covering at least ``context_len`` tokens.
+    Returns [1, H, L, D].
+    """
+    k = gather_blocks(k_pool, block_table[None])[:, :, :context_len]
+    v = gather_blocks(v_pool, block_table[None])[:, :, :context_len]
+    mask = "causal" if q.shape[2] > 1 else None
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)

@@ -1,0 +1,152 @@
+"""What the engine thread hands to other threads: stream events and pool snapshots.
+
+Everything here is immutable, so the GUI (or any consumer) can read it at its own pace
+without locks. Every event carries its request and session ids, so output can never land
+in the wrong chat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
+from typing import Mapping
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class SequenceState(str, Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generated_tokens: int
+    time_to_first_token_s: float | None
+    total_time_s: float
+    decode_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A piece of streamed output for one sample (index) of one request."""
+
+    request_id: str
+    session_id: str
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    """The last event of one sample; `text` is the whole reply of that sample."""
+
+    request_id: str
+    session_id: str
+    index: int
+    finish_reason: FinishReason
+    text: str
+    usage: Usage
+    error: str | None = None
+
+
+Event = TokenEvent | FinalEvent
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    session_id: str
+    state: SequenceState
+    blocks_held: int
+    blocks_shared: int
+    tokens_in_context: int
+    wasted_slots: int
+    tokens_per_s: float
+    requests: int
+
+
+@dataclass(frozen=True)
+class Counters:
+    steps: int
+    batch_size: int
+    step_time_ms: float
+    schedule_time_ms: float
+    preemptions: int
+    prefix_cache_hits: int
+    prefix_cache_queries: int
+    tokens_per_s: float
+    generated_tokens: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """The pool at one instant. Per-block data are parallel tuples indexed by block id.
+
+    owners[b]: session ids of the sequences holding block b (empty when free or cached).
+    refcounts[b]: number of block tables holding b.
+    fills[b]: slots of b that hold a token.
+    cached[b]: b holds a full, hashed prefix block (reusable by a later prompt).
+    block_tokens[b]: the token ids stored in b (for tooltips; decode with Engine.decode).
+    """
+
+    time: float
+    block_size: int
+    num_blocks: int
+    bytes_per_block: int
+    owners: tuple[tuple[str, ...], ...]
+    refcounts: tuple[int, ...]
+    fills: tuple[int, ...]
+    cached: tuple[bool, ...]
+    block_tokens: tuple[tuple[int, ...], ...]
+    sessions: Mapping[str, SessionStats]
+    counters: Counters
+    model_name: str = ""
+    paged: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sessions, MappingProxyType):
+            object.__setattr__(self, "sessions", MappingProxyType(dict(self.sessions)))
+
+    @property
+    def used_blocks(self) -> int:
+        return sum(1 for r in self.refcounts if r > 0)
+
+    @property
+    def cached_free_blocks(self) -> int:
+        return sum(1 for r, c in zip(self.refcounts, self.cached) if r == 0 and c)
+
+    @property
+    def free_blocks(self) -> int:
+        return sum(1 for r, c in zip(self.refcounts, self.cached) if r == 0 and not c)
+
+    @property
+    def shared_blocks(self) -> int:
+        return sum(1 for r in self.refcounts if r > 1)
+
+    @property
+    def held_slots(self) -> int:
+        return sum(f for r, f in zip(self.refcounts, self.fills) if r > 0)
+
+    @property
+    def waste_fraction(self) -> float:
+        """Allocated slots not holding a token, over all allocated slots."""
+        used = self.used_blocks
+        if not used:
+            return 0.0
+        return 1.0 - self.held_slots / (used * self.block_size)
