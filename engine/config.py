@@ -37,7 +37,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.block_size not in ALLOWED_BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of {ALLOWED_BLOCK_SIZES}, got {self.block_size}")
+            raise ValueError(
+                f"block_size must be one of {ALLOWED_BLOCK_SIZES}, got {self.block_size}"
+            )
         if not self.kv_memory_mib > 0:
             raise ValueError(f"kv_memory_mib must be positive, got {self.kv_memory_mib}")
         if self.max_batch < 1:

@@ -7,20 +7,20 @@ in the wrong chat.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from types import MappingProxyType
-from typing import Mapping
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
 
 
-class SequenceState(str, Enum):
+class SequenceState(StrEnum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
     DECODING = "decoding"
@@ -91,7 +91,9 @@ class Counters:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
 
 @dataclass(frozen=True)
