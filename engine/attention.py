@@ -63,3 +63,25 @@ def reference_prefill(
     v = gather_blocks(v_pool, block_table[None])[:, :, :context_len]
     mask = "causal" if q.shape[2] > 1 else None
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def kernel_available() -> bool:
+    """True where the Metal decode kernel can run (the Metal backend is present)."""
+    return mx.metal.is_available()
+
+
+def paged_decode(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+    use_kernel: bool,
+) -> mx.array:
+    """Decode attention: the Metal kernel when ``use_kernel``, else the reference path."""
+    if use_kernel:
+        from engine.kernels import paged_decode_kernel
+
+        return paged_decode_kernel(q, k_pool, v_pool, block_tables, context_lens, scale)
+    return reference_decode(q, k_pool, v_pool, block_tables, context_lens, scale)
