@@ -1,0 +1,89 @@
+"""Reference paged attention against a naive attention over the same tokens laid out
+contiguously (numpy, float64)."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.attention import reference_decode, reference_prefill
+
+
+def naive_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """q: [H, L, D] for the last L positions of k, v: [KVH, T, D]; causal."""
+    heads, length, _ = q.shape
+    group = heads // k.shape[0]
+    total = k.shape[1]
+    out = np.zeros_like(q, dtype=np.float64)
+    for h in range(heads):
+        kh, vh = k[h // group].astype(np.float64), v[h // group].astype(np.float64)
+        for i in range(length):
+            visible = total - length + i + 1
+            s = (kh[:visible] @ q[h, i].astype(np.float64)) * scale
+            p = np.exp(s - s.max())
+            out[h, i] = (p / p.sum()) @ vh[:visible]
+    return out
+
+
+def scattered_pool(rng: random.Random, lengths: list[int], block_size: int, kv_heads: int,
+                   head_dim: int, spare: int = 7):
+    """A pool holding each sequence's tokens in shuffled blocks; returns the pool arrays,
+    block tables and each sequence's contiguous K/V."""
+    blocks_per_seq = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(blocks_per_seq) + spare
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    k_pool = np.random.default_rng(rng.randrange(1 << 30)).standard_normal(
+        (num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+    v_pool = np.random.default_rng(rng.randrange(1 << 30)).standard_normal(
+        k_pool.shape).astype(np.float32)
+    tables, contiguous = [], []
+    for n, nb in zip(lengths, blocks_per_seq, strict=True):
+        table = [ids.pop() for _ in range(nb)]
+        tables.append(table)
+        k = k_pool[table].reshape(nb * block_size, kv_heads, head_dim)[:n].transpose(1, 0, 2)
+        v = v_pool[table].reshape(nb * block_size, kv_heads, head_dim)[:n].transpose(1, 0, 2)
+        contiguous.append((k, v))
+    return k_pool, v_pool, tables, contiguous
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_decode_matches_naive_attention(block_size: int, heads: int, kv_heads: int) -> None:
+    rng = random.Random(block_size * 100 + heads)
+    lengths = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 70]
+    head_dim = 32
+    k_pool, v_pool, tables, contiguous = scattered_pool(rng, lengths, block_size, kv_heads,
+                                                        head_dim)
+    width = max(map(len, tables))
+    padded = [t + [rng.randrange(k_pool.shape[0])] * (width - len(t)) for t in tables]
+    q = np.random.default_rng(1).standard_normal((len(lengths), heads, 1, head_dim))
+    q = q.astype(np.float32)
+    scale = head_dim**-0.5
+    out = reference_decode(mx.array(q), mx.array(k_pool), mx.array(v_pool),
+                           mx.array(padded, dtype=mx.int32),
+                           mx.array(lengths, dtype=mx.int32), scale)
+    out = np.array(out)
+    for i, (k, v) in enumerate(contiguous):
+        expect = naive_attention(q[i], k, v, scale)
+        np.testing.assert_allclose(out[i], expect, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunk,earlier", [(1, 0), (7, 0), (16, 16), (9, 23), (40, 37)])
+def test_prefill_chunk_is_causal_inside_and_full_over_earlier_blocks(chunk: int,
+                                                                     earlier: int) -> None:
+    rng = random.Random(chunk * 7 + earlier)
+    heads, kv_heads, head_dim, block_size = 6, 3, 16, 8
+    total = earlier + chunk
+    k_pool, v_pool, tables, contiguous = scattered_pool(rng, [total], block_size, kv_heads,
+                                                        head_dim)
+    q = np.random.default_rng(2).standard_normal((1, heads, chunk, head_dim)).astype(np.float32)
+    scale = 0.3
+    out = reference_prefill(mx.array(q), mx.array(k_pool), mx.array(v_pool),
+                            mx.array(tables[0], dtype=mx.int32), total, scale)
+    k, v = contiguous[0]
+    np.testing.assert_allclose(np.array(out)[0], naive_attention(q[0], k, v, scale),
+                               atol=2e-5, rtol=1e-4)
