@@ -152,3 +152,17 @@ class PoolSnapshot:
         if not used:
             return 0.0
         return 1.0 - self.held_slots / (used * self.block_size)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the loaded model and its pool look like (for the UI)."""
+
+    name: str
+    model_type: str
+    max_context: int
+    block_size: int
+    num_blocks: int
+    bytes_per_block: int
+    paged: bool
+    attention: str  # "metal-kernel" or "reference"

@@ -1,0 +1,193 @@
+"""Continuous batching: which sequences run in the next step, and on which slots.
+
+Each step, in this order:
+
+1. every running sequence that is decoding gets a slot for its next token; when the pool is
+   exhausted the latest-admitted sequence is **preempted** (its blocks freed, its tokens kept,
+   requeued first for recompute) instead of anything failing;
+2. sequences in the middle of a long prompt get the next **chunk** of it, within a per-step
+   prompt-token budget, so a new chat never stalls the others for long;
+3. waiting sequences are admitted (first reusing the prefix cache) while the batch, the
+   budget and the free blocks allow.
+
+Pure bookkeeping on the allocator: no MLX here, so every decision is unit-testable.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.blocks import BlockAllocator, BlockTable
+from engine.events import SequenceState
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ScheduledWork:
+    seq: Sequence
+    tokens: list[int]
+    start: int
+    slots: list[tuple[int, int]]
+    want_logits: bool
+
+
+@dataclass
+class StepPlan:
+    works: list[ScheduledWork] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_batch: int, prefill_chunk: int) -> None:
+        self.alloc = allocator
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.steps = 0
+        self.preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.state = SequenceState.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A fork of a running sequence joins the batch directly (it shares its blocks)."""
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished, cancelled, failed) and free its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.table is not None:
+            self.alloc.free(seq.table)
+            seq.table = None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.alloc.num_blocks * self.alloc.block_size
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        self.steps += 1
+        plan = StepPlan()
+        budget = self.prefill_chunk
+        scheduled: set[int] = set()
+
+        for seq in list(self.running):
+            if seq not in self.running or seq.num_uncomputed != 1:
+                continue
+            if self._make_room(seq, 1, plan):
+                self._reserve(seq, 1, plan)
+                scheduled.add(seq.seq_id)
+
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq not in self.running or seq.seq_id in scheduled or seq.num_uncomputed < 2:
+                continue
+            n = min(budget, seq.num_uncomputed)
+            n = min(n, self._tokens_that_fit(seq.table))
+            if n < 1:
+                if not self._make_room(seq, 1, plan):
+                    continue
+                n = min(budget, seq.num_uncomputed, self._tokens_that_fit(seq.table))
+            self._reserve(seq, n, plan)
+            scheduled.add(seq.seq_id)
+            budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            if len(seq.tokens) > self.capacity_tokens - 1:
+                self.waiting.popleft()
+                plan.failed.append((seq, self._too_long_message(len(seq.tokens))))
+                continue
+            table = BlockTable(owner=seq.session_id)
+            cached = self.alloc.reuse_prefix(table, seq.tokens)
+            n = min(budget, len(seq.tokens) - cached, self._tokens_that_fit(table))
+            if n < 1:
+                self.alloc.free(table)
+                break
+            self.waiting.popleft()
+            seq.table = table
+            seq.admitted_at = self.steps
+            if seq.state is SequenceState.WAITING and seq.num_generated == 0:
+                seq.request.cached_prompt_tokens = max(seq.request.cached_prompt_tokens, cached)
+            seq.state = SequenceState.PREFILLING
+            self.running.append(seq)
+            self._reserve(seq, n, plan)
+            budget -= n
+        return plan
+
+    def commit(self, plan: StepPlan) -> None:
+        """The step ran: its slots now hold K/V (names the newly full blocks in the cache)."""
+        for work in plan.works:
+            if work.seq.table is not None:
+                self.alloc.mark_computed(work.seq.table)
+                if work.want_logits:
+                    work.seq.state = SequenceState.DECODING
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> None:
+        start = seq.num_computed
+        tokens = seq.tokens[start : start + n]
+        result = self.alloc.append(seq.table, tokens)
+        plan.copies.extend(result.copies)
+        done = start + n == len(seq.tokens)
+        plan.works.append(ScheduledWork(seq, tokens, start, result.slots, want_logits=done))
+
+    def _tokens_that_fit(self, table: BlockTable) -> int:
+        """The most tokens ``table`` can take now without preempting anyone."""
+        bs = self.alloc.block_size
+        available = self.alloc.num_available
+        room = (bs - table.num_tokens % bs) % bs
+        if room and self.alloc.refcount(table.blocks[-1]) > 1:  # copy-on-write takes a block
+            if not available:
+                return 0
+            available -= 1
+        return room + available * bs
+
+    def _make_room(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
+        """Preempt the latest-admitted sequences until ``seq`` can take ``n`` more tokens.
+        False if ``seq`` itself was preempted or failed."""
+        while self.alloc.blocks_needed(seq.table, n) > self.alloc.num_available:
+            victim = max(self.running, key=lambda s: (s.admitted_at, s.seq_id))
+            if victim is seq and len(self.running) == 1:
+                self.running.remove(seq)
+                plan.failed.append((seq, self._too_long_message(len(seq.tokens) + n)))
+                return False
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        # Its reservations of this step, if any, go too: their slots are about to be freed.
+        plan.works = [w for w in plan.works if w.seq is not seq]
+        self.alloc.free(seq.table)
+        seq.table = None
+        seq.state = SequenceState.PREEMPTED
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+
+    def _too_long_message(self, tokens: int) -> str:
+        return (
+            f"this conversation needs {tokens} tokens of KV cache but the whole pool holds "
+            f"{self.capacity_tokens}: raise the KV memory budget or start a new chat"
+        )

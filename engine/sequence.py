@@ -1,0 +1,83 @@
+"""Request and sequence state, as the engine thread sees it.
+
+A request (one chat turn) has one sequence per sample (n > 1 forks the first one after its
+prompt). A sequence keeps its tokens even when preempted: its blocks are freed and its tokens
+recomputed later, so preemption never loses output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from engine.blocks import BlockTable
+from engine.config import SamplingParams
+from engine.events import FinishReason, SequenceState
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import StreamingDetokenizer
+
+    from engine.handle import RequestHandle
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    session_id: str
+    params: SamplingParams
+    prompt: list[int]
+    handle: RequestHandle
+    arrival: float = field(default_factory=time.perf_counter)
+    sequences: list[Sequence] = field(default_factory=list)
+    cached_prompt_tokens: int = 0
+    forked: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return len(self.sequences) == self.params.n and all(s.finished for s in self.sequences)
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    index: int
+    tokens: list[int]
+    num_prompt: int
+    key: mx.array | None
+    detokenizer: StreamingDetokenizer
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    table: BlockTable | None = None
+    state: SequenceState = SequenceState.WAITING
+    admitted_at: int = -1  # scheduler step counter at admission (preemption picks the latest)
+    emitted_chars: int = 0
+    text: str = ""
+    first_token_time: float | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    preemptions: int = 0
+
+    @property
+    def session_id(self) -> str:
+        return self.request.session_id
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def num_computed(self) -> int:
+        return self.table.num_tokens if self.table is not None else 0
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.state is SequenceState.FINISHED
