@@ -1,0 +1,432 @@
+"""A chat pane: header, message list, composer and the stats footer for one chat.
+
+A pane is only a view on a ChatSession (which keeps streaming if the pane closes). It carries
+out message actions (copy, edit, regenerate, branch, switch alternative), shows notices for
+refused input, and renders the footer from the engine's pool snapshot: tokens/s, context used
+of the model's limit, and the KV blocks the chat holds and shares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import QEvent, QObject, QRect, Qt, QTimer, Signal
+from PySide6.QtGui import QColor, QGuiApplication, QPainter, QPaintEvent
+from PySide6.QtWidgets import (
+    QDialog,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QSizePolicy,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app import colors, icons
+from app.chat.chat_settings_dialog import ChatSettingsDialog
+from app.chat.input_box import InputBox
+from app.chat.message_model import ChatMessageModel
+from app.chat.message_view import MessageListView
+from app.chat.session import ChatSession
+from app.qt_util import disconnect
+from app.records import Status
+
+NOTICE_MS = 8000
+
+
+def _fmt_int(n: int) -> str:
+    return f"{n:,}"
+
+
+class PaneHeader(QWidget):
+    """Accent dot + title + per-pane buttons; paints the accent bar of a focused pane."""
+
+    def __init__(self, parent: QWidget) -> None:
+        super().__init__(parent)
+        self.setObjectName("paneHeader")
+        self.accent = QColor("#888")
+        self.focused = False
+        self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
+
+    def paintEvent(self, event: QPaintEvent) -> None:
+        super().paintEvent(event)
+        p = QPainter(self)
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        p.setPen(Qt.PenStyle.NoPen)
+        p.setBrush(self.accent)
+        p.drawEllipse(QRect(12, self.height() // 2 - 5, 10, 10))
+        c = QColor(self.accent)
+        c.setAlphaF(1.0 if self.focused else 0.35)
+        p.setBrush(c)
+        p.drawRect(QRect(0, 0, self.width(), 3))
+        p.end()
+
+
+class ChatPane(QFrame):
+    focusedIn = Signal(object)  # this pane
+    closeRequested = Signal(object)
+    branchRequested = Signal(object, str)  # session, message id
+    settingsChanged = Signal(str)  # session id
+
+    def __init__(self, session: ChatSession, bridge: Any, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("chatPane")
+        self.bridge = bridge
+        self.session: ChatSession | None = None
+        self.model: ChatMessageModel | None = None
+        self._editing: str | None = None  # user message id being edited
+        self._number = 0
+        self._build()
+        self.set_session(session)
+        bridge.snapshotUpdated.connect(self._on_snapshot)
+        bridge.statusChanged.connect(lambda _s: self._update_footer())
+
+    # ---- construction --------------------------------------------------------------------
+
+    def _build(self) -> None:
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(0)
+
+        self.header = PaneHeader(self)
+        h = QHBoxLayout(self.header)
+        h.setContentsMargins(30, 6, 6, 6)
+        h.setSpacing(2)
+        self.title_label = QLabel()
+        self.title_label.setObjectName("paneTitle")
+        self.title_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        h.addWidget(self.title_label, 1)
+        self.settings_button = self._tool_button("sliders", "Chat settings", self.open_settings)
+        self.close_button = self._tool_button("close", "Close pane", self._close_clicked)
+        h.addWidget(self.settings_button)
+        h.addWidget(self.close_button)
+        layout.addWidget(self.header)
+
+        self.view = MessageListView(self)
+        self.view.actionRequested.connect(self._on_action)
+        self.view.regenerateMany.connect(self.regenerate)
+        layout.addWidget(self.view, 1)
+
+        self.empty_label = QLabel(
+            "Ask anything.\nEnter sends · Shift+Enter adds a line", self.view.viewport()
+        )
+        self.empty_label.setObjectName("emptyState")
+        self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty_label.setAttribute(Qt.WidgetAttribute.WA_TransparentForMouseEvents)
+
+        self.notice_label = QLabel()
+        self.notice_label.setObjectName("paneNotice")
+        self.notice_label.setWordWrap(True)
+        self.notice_label.setAccessibleName("Notice")
+        self.notice_label.hide()
+        layout.addWidget(self.notice_label)
+        self._notice_timer = QTimer(self)
+        self._notice_timer.setSingleShot(True)
+        self._notice_timer.timeout.connect(self.notice_label.hide)
+
+        self.edit_banner = QLabel(
+            "Editing a message: Enter resends it as a new branch · Esc cancels"
+        )
+        self.edit_banner.setObjectName("editBanner")
+        self.edit_banner.setWordWrap(True)
+        self.edit_banner.hide()
+        layout.addWidget(self.edit_banner)
+
+        composer = QFrame()
+        composer.setObjectName("composer")
+        c = QHBoxLayout(composer)
+        c.setContentsMargins(10, 6, 6, 6)
+        c.setSpacing(6)
+        self.input = InputBox(composer)
+        self.input.submitted.connect(self._submit)
+        self.input.cancelled.connect(self._escape)
+        c.addWidget(self.input, 1)
+        self.send_button = QToolButton(composer)
+        self.send_button.setObjectName("sendButton")
+        self.send_button.setAccessibleName("Send message")
+        self.send_button.setToolTip("Send (Enter)")
+        self.send_button.setIconSize(icons.icon_size(16))
+        self.send_button.setFixedSize(30, 30)
+        self.send_button.clicked.connect(self._send_clicked)
+        c.addWidget(self.send_button, 0, Qt.AlignmentFlag.AlignBottom)
+        wrap = QWidget()
+        wl = QVBoxLayout(wrap)
+        wl.setContentsMargins(12, 4, 12, 2)
+        wl.addWidget(composer)
+        layout.addWidget(wrap)
+
+        self.footer = QLabel()
+        self.footer.setObjectName("paneFooter")
+        self.footer.setAccessibleName("Chat statistics")
+        self.footer.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        layout.addWidget(self.footer)
+
+        for w in (self.input, self.view, self.send_button, self.settings_button, self.close_button):
+            w.installEventFilter(self)
+
+    def _tool_button(self, icon_name: str, name: str, slot: Any) -> QToolButton:
+        b = QToolButton(self)
+        b.setIcon(icons.icon(icon_name, size=16))
+        b.setIconSize(icons.icon_size(16))
+        b.setAccessibleName(name)
+        b.setToolTip(name)
+        b.setAutoRaise(True)
+        b.setFocusPolicy(Qt.FocusPolicy.TabFocus)
+        b.clicked.connect(slot)
+        b.setProperty("icon_name", icon_name)
+        return b
+
+    def refresh_icons(self) -> None:
+        for b in (self.settings_button, self.close_button):
+            b.setIcon(icons.icon(b.property("icon_name"), size=16))
+        self._update_busy()
+
+    # ---- session binding -----------------------------------------------------------------
+
+    def set_session(self, session: ChatSession) -> None:
+        if self.session is session:
+            return
+        if self.session is not None:
+            self._disconnect_session(self.session)
+        if self.model is not None:
+            self.model.detach()
+        self.cancel_edit()
+        self.session = session
+        self.model = ChatMessageModel(session, parent=self)
+        self.view.setModel(self.model)
+        session.titleChanged.connect(self._update_title)
+        session.busyChanged.connect(self._update_busy)
+        session.notice.connect(self.show_notice)
+        session.contextChanged.connect(self._update_footer)
+        session.pathChanged.connect(self._update_empty)
+        self.header.accent = colors.accent_color(session.id)
+        self._update_title()
+        self._update_busy()
+        self._update_empty()
+        self._update_footer()
+
+    def _disconnect_session(self, session: ChatSession) -> None:
+        for sig, slot in (
+            (session.titleChanged, self._update_title),
+            (session.busyChanged, self._update_busy),
+            (session.notice, self.show_notice),
+            (session.contextChanged, self._update_footer),
+            (session.pathChanged, self._update_empty),
+        ):
+            disconnect(sig, slot)
+
+    def detach(self) -> None:
+        """Called before the pane is deleted: stop listening (the session lives on)."""
+        if self.session is not None:
+            self._disconnect_session(self.session)
+        if self.model is not None:
+            self.model.detach()
+        for sig, slot in ((self.bridge.snapshotUpdated, self._on_snapshot),):
+            disconnect(sig, slot)
+
+    def set_number(self, n: int) -> None:
+        """1-based position in the workspace (for Ctrl/⌘+n and accessible names)."""
+        self._number = n
+        self._update_title()
+
+    def set_focused(self, focused: bool) -> None:
+        self.header.focused = focused
+        self.setProperty("focused", focused)
+        self.style().unpolish(self)
+        self.style().polish(self)
+        self.header.update()
+
+    def eventFilter(self, obj: QObject, event: QEvent) -> bool:
+        if event.type() == QEvent.Type.FocusIn:
+            self.focusedIn.emit(self)
+        return False
+
+    def mousePressEvent(self, event: Any) -> None:
+        self.focusedIn.emit(self)
+        super().mousePressEvent(event)
+
+    # ---- actions -------------------------------------------------------------------------
+
+    def focus_input(self) -> None:
+        self.input.setFocus(Qt.FocusReason.ShortcutFocusReason)
+
+    def send(self, text: str) -> bool:
+        """Send `text` as the user (what Enter does); returns whether it was accepted."""
+        assert self.session is not None
+        if self._editing is not None:
+            mid, self._editing = self._editing, None
+            self.edit_banner.hide()
+            ok = self.session.edit_and_resend(mid, text)
+        else:
+            ok = self.session.send(text)
+        if ok:
+            self.input.clear()
+            self.notice_label.hide()
+            self.view.scrollToBottom()
+        return ok
+
+    def _submit(self, text: str) -> None:
+        if self.session is not None and self.session.busy:
+            self.show_notice("This chat is still answering: stop it (or wait) before sending.")
+            return
+        self.send(text)
+
+    def _send_clicked(self) -> None:
+        if self.session is not None and self.session.busy:
+            self.session.stop()
+        else:
+            self._submit(self.input.toPlainText())
+        self.focus_input()
+
+    def stop(self) -> None:
+        if self.session is not None:
+            self.session.stop()
+
+    def regenerate(self, message_id: str | None = None, n: int = 1) -> bool:
+        return self.session.regenerate(message_id, n) if self.session is not None else False
+
+    def start_edit(self, message_id: str) -> None:
+        assert self.session is not None
+        msg = self.session.tree.get(message_id)
+        self._editing = message_id
+        self.input.setPlainText(msg.content)
+        self.edit_banner.show()
+        self.focus_input()
+        cursor = self.input.textCursor()
+        cursor.movePosition(cursor.MoveOperation.End)
+        self.input.setTextCursor(cursor)
+
+    def _escape(self) -> None:
+        if self._editing is not None:
+            self.cancel_edit()
+        elif self.session is not None and self.session.busy:
+            self.session.stop()
+
+    def cancel_edit(self) -> None:
+        if self._editing is not None:
+            self._editing = None
+            self.input.clear()
+        self.edit_banner.hide()
+
+    def _on_action(self, message_id: str, action: str) -> None:
+        session = self.session
+        if session is None or message_id not in session.tree:
+            return
+        msg = session.tree.get(message_id)
+        if action == "copy":
+            QGuiApplication.clipboard().setText(msg.content)
+        elif action == "edit":
+            if session.busy:
+                self.show_notice("Stop the reply before editing.")
+            else:
+                self.start_edit(message_id)
+        elif action == "regenerate":
+            session.regenerate(message_id, 1)
+        elif action == "branch":
+            if msg.status in Status.LIVE:
+                self.show_notice("Wait for the reply to finish before branching from it.")
+            else:
+                self.branchRequested.emit(session, message_id)
+        elif action in ("prev", "next"):
+            session.switch_alternative(message_id, -1 if action == "prev" else 1)
+
+    def open_settings(self) -> None:
+        if self.session is None:
+            return
+        dialog = ChatSettingsDialog(self.session.title, self.session.settings, self)
+        if dialog.exec() == QDialog.DialogCode.Accepted:
+            self.session.set_settings(dialog.value())
+            self.settingsChanged.emit(self.session.id)
+
+    def _close_clicked(self) -> None:
+        self.closeRequested.emit(self)
+
+    def show_notice(self, text: str) -> None:
+        self.notice_label.setText(text)
+        self.notice_label.show()
+        self._notice_timer.start(NOTICE_MS)
+
+    # ---- display -------------------------------------------------------------------------
+
+    def _update_title(self, *_args: object) -> None:
+        if self.session is None:
+            return
+        title = self.session.title
+        fm = self.title_label.fontMetrics()
+        self.title_label.setText(
+            fm.elidedText(title, Qt.TextElideMode.ElideRight, max(60, self.title_label.width()))
+        )
+        self.title_label.setToolTip(title)
+        prefix = f"Pane {self._number}: " if self._number else ""
+        self.setAccessibleName(f"{prefix}{title}")
+
+    def resizeEvent(self, event: Any) -> None:
+        super().resizeEvent(event)
+        self._update_title()
+        self.empty_label.setGeometry(self.view.viewport().rect())
+
+    def _update_busy(self, *_args: object) -> None:
+        busy = self.session is not None and self.session.busy
+        self.send_button.setIcon(icons.icon("stop" if busy else "send", QColor("#ffffff"), 16))
+        self.send_button.setAccessibleName("Stop generating" if busy else "Send message")
+        self.send_button.setToolTip("Stop (Esc)" if busy else "Send (Enter)")
+        self.send_button.setProperty("busy", busy)
+        self.send_button.style().unpolish(self.send_button)
+        self.send_button.style().polish(self.send_button)
+        self._update_footer()
+
+    def _update_empty(self) -> None:
+        has = self.model is not None and self.model.rowCount() > 0
+        self.empty_label.setVisible(not has)
+        self.empty_label.setGeometry(self.view.viewport().rect())
+
+    def _on_snapshot(self, _snapshot: Any) -> None:
+        self._update_footer()
+
+    def footer_stats(self) -> dict[str, Any]:
+        """What the footer shows, as numbers (tests read this)."""
+        session = self.session
+        snap = self.bridge.latest_snapshot
+        stats = snap.sessions.get(session.id) if (snap is not None and session) else None
+        out: dict[str, Any] = {
+            "tokens_per_s": None,
+            "context": session.context_tokens if session else None,
+            "max_context": self.bridge.max_context,
+            "blocks_held": 0,
+            "blocks_shared": 0,
+        }
+        if stats is not None:
+            out["blocks_held"] = stats.blocks_held
+            out["blocks_shared"] = stats.blocks_shared
+            if session is not None and session.busy:
+                out["tokens_per_s"] = stats.tokens_per_s
+                if stats.tokens_in_context:
+                    out["context"] = stats.tokens_in_context
+        if out["tokens_per_s"] is None and session is not None and session.last_usage:
+            out["tokens_per_s"] = session.last_usage.get("decode_tokens_per_s")
+        return out
+
+    def _update_footer(self, *_args: object) -> None:
+        if self.session is None:
+            return
+        if self.bridge.status == "loading":
+            self.footer.setText("Loading model…")
+            return
+        if self.bridge.status == "error":
+            self.footer.setText("Model not loaded")
+            return
+        s = self.footer_stats()
+        tps = f"{s['tokens_per_s']:.1f} tok/s" if s["tokens_per_s"] else "— tok/s"
+        ctx = _fmt_int(s["context"]) if s["context"] is not None else "—"
+        limit = _fmt_int(s["max_context"]) if s["max_context"] else "—"
+        blocks = f"{s['blocks_held']} blocks"
+        if s["blocks_shared"]:
+            blocks += f" · {s['blocks_shared']} shared"
+        text = f"{tps}   ·   {ctx} / {limit} tokens   ·   {blocks}"
+        if text != self.footer.text():
+            self.footer.setText(text)
+            self.footer.setToolTip(
+                "Decode speed · context used / context limit · KV blocks held by this chat "
+                "(shared: also held by another sequence)"
+            )

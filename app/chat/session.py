@@ -1,0 +1,487 @@
+"""One conversation's behaviour: send, stream, stop, regenerate, edit, switch alternatives.
+
+A ChatSession lives as long as its chat is open *or* still generating, independently of any
+pane: a chat keeps streaming while the user works elsewhere, and a pane is just a view on it.
+The session owns the conversation's MessageTree, writes every change to the Store, and saves
+a reply being streamed about once a second (`SAVE_INTERVAL_MS`), so a killed app loses at most
+about a second of text. Engine events arrive from the EngineBridge through the SessionManager,
+which routes them by session id and drops any event whose request this chat did not make.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from PySide6.QtCore import QObject, QTimer, Signal
+
+from app import colors
+from app.chat.tree import MessageTree
+from app.records import ChatSettings, Conversation, Message, Status, new_id
+
+SAVE_INTERVAL_MS = 1000
+TITLE_LENGTH = 48
+DEFAULT_TITLE = "New Chat"
+
+
+def _status_for(reason: Any, quitting: bool) -> str:
+    value = getattr(reason, "value", reason)
+    if value == "stop":
+        return Status.COMPLETE
+    if value == "length":
+        return Status.LENGTH
+    if value == "cancelled":
+        return Status.INTERRUPTED if quitting else Status.STOPPED
+    return Status.ERROR
+
+
+def _usage_dict(usage: Any) -> dict[str, Any]:
+    if usage is None:
+        return {}
+    keys = (
+        "prompt_tokens",
+        "cached_prompt_tokens",
+        "generated_tokens",
+        "time_to_first_token_s",
+        "total_time_s",
+        "decode_tokens_per_s",
+    )
+    return {k: getattr(usage, k, None) for k in keys}
+
+
+def title_from(text: str) -> str:
+    line = " ".join(text.strip().split())
+    return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
+
+
+class ChatSession(QObject):
+    """The live state and actions of one conversation."""
+
+    pathChanged = Signal()  # the visible path (rows) changed
+    messageChanged = Signal(str)  # a message's text grew (streaming): re-render is throttled
+    messageFinished = Signal(str)  # a message reached a final status
+    busyChanged = Signal(bool)
+    titleChanged = Signal(str)
+    settingsChanged = Signal()
+    contextChanged = Signal()  # context_tokens or last_usage changed
+    notice = Signal(str)  # a message for the user (refused input, engine errors)
+
+    def __init__(self, conversation: Conversation, store: Any, bridge: Any) -> None:
+        super().__init__()
+        self.conversation = conversation
+        self.store = store
+        self.bridge = bridge
+        self.tree = MessageTree(store.load_messages(conversation.id), conversation.active_leaf)
+        self._requests: dict[str, list[str]] = {}  # request_id -> message id per sample index
+        self._dirty: set[str] = set()  # streaming messages with unsaved text
+        self._quitting = False
+        self.context_tokens: int | None = None
+        self.last_usage: dict[str, Any] = {}
+        self._count_task: asyncio.Future | None = None
+        self._save_timer = QTimer(self)
+        self._save_timer.setInterval(SAVE_INTERVAL_MS)
+        self._save_timer.timeout.connect(self.flush)
+        colors.register(conversation.id, conversation.color_index)
+        for m in reversed(self.tree.active_path()):
+            if m.role == "assistant" and m.meta.get("usage"):
+                self.last_usage = dict(m.meta["usage"])
+                break
+
+    # ---- properties ----------------------------------------------------------------------
+
+    @property
+    def id(self) -> str:
+        return self.conversation.id
+
+    @property
+    def title(self) -> str:
+        return self.conversation.title
+
+    @property
+    def settings(self) -> ChatSettings:
+        return self.conversation.settings
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    def active_path(self) -> list[Message]:
+        return self.tree.active_path()
+
+    # ---- actions -------------------------------------------------------------------------
+
+    def send(self, text: str) -> bool:
+        """Append a user message to the visible path and ask for a reply."""
+        if not text.strip():
+            self.notice.emit("Type a message first.")
+            return False
+        if self.busy:
+            self.notice.emit("This chat is still answering; stop it first.")
+            return False
+        parent = self.tree.active_leaf
+        user = self._new_message(parent, "user", text, Status.COMPLETE)
+        if self.title == DEFAULT_TITLE:
+            self.rename(title_from(text))
+        self._reply(user.id, n=1)
+        return True
+
+    def regenerate(self, message_id: str | None = None, n: int = 1) -> bool:
+        """New reply alternative(s) for an assistant message (or a reply to a user message).
+
+        The old reply stays as an alternative (‹ 1/2 ›). n > 1 asks the engine for n samples
+        sharing the prompt's KV blocks.
+        """
+        if self.busy:
+            self.notice.emit("This chat is still answering; stop it first.")
+            return False
+        if message_id is None:
+            path = self.active_path()
+            if not path:
+                self.notice.emit("Nothing to regenerate yet.")
+                return False
+            message_id = path[-1].id
+        msg = self.tree.get(message_id)
+        parent = msg.parent_id if msg.role == "assistant" else msg.id
+        if parent is None:
+            self.notice.emit("Nothing to regenerate yet.")
+            return False
+        return self._reply(parent, n=max(1, min(8, n)))
+
+    def edit_and_resend(self, message_id: str, text: str) -> bool:
+        """A new version of a user message (a sibling: the old one stays), then a reply."""
+        if not text.strip():
+            self.notice.emit("The edited message is empty.")
+            return False
+        if self.busy:
+            self.notice.emit("This chat is still answering; stop it first.")
+            return False
+        old = self.tree.get(message_id)
+        user = self._new_message(old.parent_id, "user", text, Status.COMPLETE)
+        return self._reply(user.id, n=1)
+
+    def switch_alternative(self, message_id: str, delta: int) -> bool:
+        new, changes = self.tree.switch(message_id, delta)
+        if new is None:
+            return False
+        self._persist_choices(changes)
+        self.pathChanged.emit()
+        self._refresh_context()
+        return True
+
+    def stop(self) -> None:
+        """Cancel the running request(s); the partial replies stay, marked as stopped."""
+        for rid in list(self._requests):
+            self.bridge.cancel(rid)
+
+    def rename(self, title: str) -> None:
+        title = title.strip() or DEFAULT_TITLE
+        self.conversation.title = title
+        self.store.rename_conversation(self.id, title)
+        self.titleChanged.emit(title)
+
+    def set_settings(self, settings: ChatSettings) -> None:
+        self.conversation.settings = settings
+        self.store.save_chat_settings(self.id, settings)
+        self.settingsChanged.emit()
+        self._refresh_context()
+
+    def prompt_messages(self, upto: str | None) -> list[dict[str, str]]:
+        """What the engine sees for a reply below `upto`: system prompt + that path."""
+        out: list[dict[str, str]] = []
+        if self.settings.system_prompt.strip():
+            out.append({"role": "system", "content": self.settings.system_prompt})
+        for m in self.tree.path_to(upto):
+            if m.role == "assistant" and (m.status == Status.ERROR or not m.content):
+                continue  # a failed or empty reply carries nothing for the model
+            out.append({"role": m.role, "content": m.content})
+        return out
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _new_message(self, parent_id: str | None, role: str, content: str, status: str) -> Message:
+        msg = Message(
+            id=new_id(),
+            conversation_id=self.id,
+            parent_id=parent_id,
+            role=role,
+            content=content,
+            status=status,
+        )
+        self.store.add_message(msg)
+        self.tree.add(msg)
+        return msg
+
+    def _reply(self, parent_id: str, n: int) -> bool:
+        from engine import SamplingParams  # engine types only; the work goes via the bridge
+
+        prompt = self.prompt_messages(parent_id)
+        s = self.settings.sampling
+        replies = [self._new_message(parent_id, "assistant", "", Status.PENDING) for _ in range(n)]
+        self._activate(replies[0].id)
+        self.store.touch_conversation(self.id)
+        try:
+            params = SamplingParams(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                min_p=s.min_p,
+                repetition_penalty=s.repetition_penalty,
+                max_tokens=s.max_tokens,
+                seed=s.seed,
+                n=n,
+            )
+            rid = self.bridge.submit(prompt, params, self.id)
+        except (ValueError, RuntimeError) as exc:
+            for r in replies:
+                self._finish(r, Status.ERROR, "", {"error": str(exc)})
+            self.notice.emit(str(exc))
+            return False
+        self._requests[rid] = [r.id for r in replies]
+        self._save_timer.start()
+        self.busyChanged.emit(True)
+        return True
+
+    def _activate(self, message_id: str) -> None:
+        self._persist_choices(self.tree.activate(message_id))
+        self.pathChanged.emit()
+
+    def _persist_choices(self, changes: list[tuple[str, str]]) -> None:
+        for parent, child in changes:
+            self.store.set_active_child(parent, child)
+        self.store.set_active_leaf(self.id, self.tree.active_leaf)
+        self.conversation.active_leaf = self.tree.active_leaf
+
+    def _finish(self, msg: Message, status: str, text: str | None, meta: dict[str, Any]) -> None:
+        if text is not None:
+            msg.content = text
+        msg.status = status
+        msg.meta.update(meta)
+        self._dirty.discard(msg.id)
+        self.store.update_message(msg.id, content=msg.content, status=status, meta=msg.meta)
+        self.messageFinished.emit(msg.id)
+
+    # ---- engine events (routed here by the SessionManager) -------------------------------
+
+    def on_token(self, request_id: str, index: int, text: str) -> None:
+        ids = self._requests.get(request_id)
+        if ids is None or not 0 <= index < len(ids) or ids[index] is None:
+            return  # not ours (or already finished): never write into the wrong message
+        msg = self.tree.get(ids[index])
+        msg.content += text
+        if msg.status != Status.STREAMING:
+            msg.status = Status.STREAMING
+            self.store.update_message(msg.id, content=msg.content, status=Status.STREAMING)
+        else:
+            self._dirty.add(msg.id)
+        self.messageChanged.emit(msg.id)
+
+    def on_final(self, request_id: str, index: int, event: Any) -> None:
+        ids = self._requests.get(request_id)
+        if ids is None or not 0 <= index < len(ids) or ids[index] is None:
+            return
+        msg = self.tree.get(ids[index])
+        ids[index] = None  # type: ignore[call-overload]
+        status = _status_for(event.finish_reason, self._quitting)
+        text = event.text if (event.text or status != Status.ERROR) else None
+        meta: dict[str, Any] = {"finish_reason": getattr(event.finish_reason, "value", "")}
+        usage = _usage_dict(event.usage)
+        if usage:
+            meta["usage"] = usage
+            if index == 0:
+                self.last_usage = usage
+        if event.error:
+            meta["error"] = event.error
+        self._finish(msg, status, text, meta)
+        if status == Status.ERROR and event.error:
+            self.notice.emit(event.error)
+        if all(i is None for i in ids):
+            del self._requests[request_id]
+            if not self._requests:
+                self._save_timer.stop()
+                self.flush()
+                self.busyChanged.emit(False)
+                self.store.touch_conversation(self.id)
+                self._refresh_context()
+
+    def flush(self) -> None:
+        """Write the text of replies being streamed (called about once a second)."""
+        for mid in list(self._dirty):
+            if mid in self.tree:
+                self.store.update_message(mid, content=self.tree.get(mid).content)
+        self._dirty.clear()
+
+    def interrupt(self) -> None:
+        """The app is quitting: cancel, and keep every partial reply marked interrupted."""
+        self._quitting = True
+        for rid, ids in list(self._requests.items()):
+            self.bridge.cancel(rid)
+            for mid in ids:
+                if mid is not None:
+                    msg = self.tree.get(mid)
+                    self._finish(msg, Status.INTERRUPTED, None, {"finish_reason": "interrupted"})
+        self._requests.clear()
+        self._save_timer.stop()
+        self.flush()
+
+    # ---- context footer ------------------------------------------------------------------
+
+    def _refresh_context(self) -> None:
+        """Recount the visible path's prompt tokens off the GUI thread."""
+        if self._count_task is not None and not self._count_task.done():
+            self._count_task.cancel()
+        messages = self.prompt_messages(self.tree.active_leaf)
+        if not messages:
+            self.context_tokens = 0
+            self.contextChanged.emit()
+            return
+
+        async def count() -> None:
+            n = await self.bridge.count_tokens(messages)
+            if n is not None:
+                self.context_tokens = n
+                self.contextChanged.emit()
+
+        with contextlib.suppress(RuntimeError):  # no event loop (pure unit use)
+            self._count_task = asyncio.ensure_future(count())
+
+    def refresh_context(self) -> None:
+        self._refresh_context()
+
+
+class SessionManager(QObject):
+    """Creates, finds and deletes ChatSessions and routes engine events to them."""
+
+    sessionCreated = Signal(str)
+    sessionDeleted = Signal(str)
+    conversationsChanged = Signal()  # titles, order or membership changed (sidebar refresh)
+    busyChanged = Signal(str, bool)  # session id, busy
+
+    def __init__(self, store: Any, bridge: Any, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.store = store
+        self.bridge = bridge
+        self.sessions: dict[str, ChatSession] = {}
+        bridge.tokenReceived.connect(self._on_token)
+        bridge.finalReceived.connect(self._on_final)
+        bridge.modelReady.connect(self._on_ready)
+        self.default_settings = ChatSettings()
+
+    def get(self, conversation_id: str) -> ChatSession | None:
+        """The session of a conversation, loading it from the store if needed."""
+        session = self.sessions.get(conversation_id)
+        if session is None:
+            conv = self.store.get_conversation(conversation_id)
+            if conv is None:
+                return None
+            session = self._adopt(conv)
+        return session
+
+    def create(
+        self, title: str = DEFAULT_TITLE, settings: ChatSettings | None = None
+    ) -> ChatSession:
+        conv = self.store.create_conversation(title, settings or _copy(self.default_settings))
+        session = self._adopt(conv)
+        self.conversationsChanged.emit()
+        return session
+
+    def _adopt(self, conv: Conversation) -> ChatSession:
+        session = ChatSession(conv, self.store, self.bridge)
+        self.sessions[conv.id] = session
+        session.titleChanged.connect(lambda _t: self.conversationsChanged.emit())
+        session.busyChanged.connect(lambda b, sid=conv.id: self._busy(sid, b))
+        self.sessionCreated.emit(conv.id)
+        session.refresh_context()
+        return session
+
+    def _busy(self, session_id: str, busy: bool) -> None:
+        self.busyChanged.emit(session_id, busy)
+        if not busy:
+            self.conversationsChanged.emit()  # "updated" order changed
+
+    def rename(self, conversation_id: str, title: str) -> None:
+        session = self.sessions.get(conversation_id)
+        if session is not None:
+            session.rename(title)
+        else:
+            self.store.rename_conversation(conversation_id, title.strip() or DEFAULT_TITLE)
+            self.conversationsChanged.emit()
+
+    def delete(self, conversation_id: str) -> None:
+        session = self.sessions.pop(conversation_id, None)
+        if session is not None:
+            session.stop()
+            session._requests.clear()
+            session._save_timer.stop()
+        self.bridge.cancel_session(conversation_id)
+        self.store.delete_conversation(conversation_id)
+        colors.forget(conversation_id)
+        self.sessionDeleted.emit(conversation_id)
+        self.conversationsChanged.emit()
+
+    def branch(self, session: ChatSession, message_id: str) -> ChatSession:
+        """A new chat holding a copy of the path up to `message_id` (inclusive)."""
+        path = session.tree.path_to(message_id)
+        conv = self.store.create_conversation(
+            title_from(f"Branch of {session.title}"), _copy(session.settings)
+        )
+        mapping: dict[str, str] = {}
+        copies = []
+        for m in path:
+            nid = new_id()
+            copies.append(
+                Message(
+                    id=nid,
+                    conversation_id=conv.id,
+                    parent_id=mapping.get(m.parent_id) if m.parent_id else None,
+                    role=m.role,
+                    content=m.content,
+                    status=Status.INTERRUPTED if m.status in Status.LIVE else m.status,
+                    created=time.time(),
+                    meta={k: v for k, v in m.meta.items() if k != "branch_of"},
+                )
+            )
+            mapping[m.id] = nid
+        if copies:
+            copies[-1].meta["branch_of"] = {"conversation": session.id, "message": message_id}
+            for parent, child in zip(copies, copies[1:], strict=False):
+                parent.active_child = child.id
+        self.store.add_messages(copies)
+        leaf = copies[-1].id if copies else None
+        self.store.set_active_leaf(conv.id, leaf)
+        conv.active_leaf = leaf
+        new = self._adopt(conv)
+        self.conversationsChanged.emit()
+        return new
+
+    def interrupt_all(self) -> None:
+        for s in self.sessions.values():
+            s.interrupt()
+
+    def busy_sessions(self) -> list[str]:
+        return [sid for sid, s in self.sessions.items() if s.busy]
+
+    # ---- routing -------------------------------------------------------------------------
+
+    def _on_token(self, session_id: str, request_id: str, index: int, text: str) -> None:
+        session = self.sessions.get(session_id)
+        if session is not None:
+            session.on_token(request_id, index, text)
+
+    def _on_final(self, session_id: str, request_id: str, index: int, event: Any) -> None:
+        session = self.sessions.get(session_id)
+        if session is not None:
+            session.on_final(request_id, index, event)
+
+    def _on_ready(self, _info: Any) -> None:
+        for s in self.sessions.values():
+            s.refresh_context()
+
+
+def _copy(settings: ChatSettings) -> ChatSettings:
+    return ChatSettings.from_dict(settings.to_dict())

@@ -1,0 +1,50 @@
+"""Accent colours for chats: one fixed palette shared by the panes and the KV monitor.
+
+Every chat owns an index into PALETTE (persisted with the conversation, handed out round
+robin so side-by-side chats differ). `accent_color(session_id)` is the single lookup both the
+chat panes and the monitor use, so a chat's pane border and its blocks in the pool map always
+share a colour. Chats never registered (e.g. sessions started by other tools) still get a
+stable colour from a hash of their id.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from PySide6.QtGui import QColor
+
+# Mid-tone colours that read on both light and dark backgrounds (macOS system hues).
+PALETTE: tuple[str, ...] = (
+    "#0A7CFF",  # blue
+    "#F28C28",  # orange
+    "#2DB55D",  # green
+    "#A259D9",  # purple
+    "#E8457C",  # pink
+    "#1FA7B8",  # teal
+    "#5B5BD6",  # indigo
+    "#A2845E",  # brown
+)
+
+_assigned: dict[str, int] = {}
+
+
+def register(session_id: str, index: int) -> None:
+    """Fix the palette index of a chat (called when a conversation is loaded or created)."""
+    _assigned[session_id] = index % len(PALETTE)
+
+
+def forget(session_id: str) -> None:
+    """Drop a deleted chat's colour."""
+    _assigned.pop(session_id, None)
+
+
+def color_index(session_id: str) -> int:
+    """The palette index of a chat: its registered one, else a stable hash of its id."""
+    if session_id in _assigned:
+        return _assigned[session_id]
+    return zlib.crc32(session_id.encode("utf-8")) % len(PALETTE)
+
+
+def accent_color(session_id: str) -> QColor:
+    """The accent colour of a chat (a new QColor each call, safe to modify)."""
+    return QColor(PALETTE[color_index(session_id)])

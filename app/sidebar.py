@@ -1,0 +1,374 @@
+"""The conversation sidebar: search (titles and message text), new, rename, delete, open.
+
+Model/view: ConversationListModel lists the store's conversations (most recent first);
+ConversationFilter narrows them to the ids the store's full-text LIKE search returns. Rename
+is in place (F2 or double-click on the title... or the context menu); delete asks first.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from PySide6.QtCore import (
+    QAbstractListModel,
+    QModelIndex,
+    QPersistentModelIndex,
+    QRect,
+    QSize,
+    QSortFilterProxyModel,
+    Qt,
+    QTimer,
+    Signal,
+)
+from PySide6.QtGui import (
+    QColor,
+    QContextMenuEvent,
+    QFont,
+    QFontMetrics,
+    QKeyEvent,
+    QPainter,
+    QPalette,
+)
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QListView,
+    QMenu,
+    QStyle,
+    QStyledItemDelegate,
+    QStyleOptionViewItem,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app import colors, icons
+from app.records import Conversation
+
+ConvIdRole = Qt.ItemDataRole.UserRole + 1
+UpdatedRole = Qt.ItemDataRole.UserRole + 2
+BusyRole = Qt.ItemDataRole.UserRole + 3
+
+
+def relative_time(ts: float, now: float | None = None) -> str:
+    now = now or time.time()
+    lt, ln = time.localtime(ts), time.localtime(now)
+    if lt.tm_year == ln.tm_year and lt.tm_yday == ln.tm_yday:
+        return time.strftime("%H:%M", lt)
+    if now - ts < 7 * 86400:
+        return time.strftime("%a %H:%M", lt)
+    return time.strftime("%d %b %Y", lt)
+
+
+class ConversationListModel(QAbstractListModel):
+    renameRequested = Signal(str, str)  # conversation id, new title
+
+    def __init__(self, store: Any, parent: Any = None) -> None:
+        super().__init__(parent)
+        self.store = store
+        self._items: list[Conversation] = []
+        self._busy: set[str] = set()
+        self.reload()
+
+    def reload(self) -> None:
+        self.beginResetModel()
+        self._items = self.store.list_conversations()
+        self.endResetModel()
+
+    def set_busy(self, conversation_id: str, busy: bool) -> None:
+        (self._busy.add if busy else self._busy.discard)(conversation_id)
+        for i, c in enumerate(self._items):
+            if c.id == conversation_id:
+                self.dataChanged.emit(self.index(i), self.index(i))
+
+    def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:  # noqa: B008
+        return 0 if parent.isValid() else len(self._items)
+
+    def data(self, index: QModelIndex | QPersistentModelIndex, role: int = 0) -> Any:
+        if not index.isValid():
+            return None
+        c = self._items[index.row()]
+        if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.EditRole):
+            return c.title
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return c.title
+        if role == Qt.ItemDataRole.AccessibleTextRole:
+            busy = ", answering" if c.id in self._busy else ""
+            return f"{c.title}, {relative_time(c.updated)}{busy}"
+        if role == ConvIdRole:
+            return c.id
+        if role == UpdatedRole:
+            return c.updated
+        if role == BusyRole:
+            return c.id in self._busy
+        return None
+
+    def setData(
+        self, index: QModelIndex | QPersistentModelIndex, value: Any, role: int = 0
+    ) -> bool:
+        if role != Qt.ItemDataRole.EditRole or not index.isValid():
+            return False
+        title = str(value).strip()
+        if not title:
+            return False
+        c = self._items[index.row()]
+        c.title = title
+        self.renameRequested.emit(c.id, title)
+        self.dataChanged.emit(index, index)
+        return True
+
+    def flags(self, index: QModelIndex | QPersistentModelIndex) -> Qt.ItemFlag:
+        base = super().flags(index)
+        return base | Qt.ItemFlag.ItemIsEditable if index.isValid() else base
+
+    def row_of(self, conversation_id: str) -> int:
+        for i, c in enumerate(self._items):
+            if c.id == conversation_id:
+                return i
+        return -1
+
+
+class ConversationFilter(QSortFilterProxyModel):
+    """Shows conversations whose title or messages contain the query."""
+
+    def __init__(self, store: Any, parent: Any = None) -> None:
+        super().__init__(parent)
+        self.store = store
+        self.query = ""
+        self._ids: set[str] | None = None
+
+    def _set_ids(self, ids: set[str] | None) -> None:
+        if hasattr(self, "beginFilterChange"):  # Qt >= 6.9
+            self.beginFilterChange()
+            self._ids = ids
+            self.endFilterChange()
+        else:
+            self._ids = ids
+            self.invalidateFilter()
+
+    def set_query(self, text: str) -> None:
+        self.query = text.strip()
+        self._set_ids(self.store.search(self.query) if self.query else None)
+
+    def refresh(self) -> None:
+        if self.query:
+            self._set_ids(self.store.search(self.query))
+
+    def filterAcceptsRow(self, row: int, parent: QModelIndex | QPersistentModelIndex) -> bool:
+        if self._ids is None:
+            return True
+        idx = self.sourceModel().index(row, 0, parent)
+        return idx.data(ConvIdRole) in self._ids
+
+
+class ConversationDelegate(QStyledItemDelegate):
+    ROW_H = 44
+
+    def sizeHint(self, option: QStyleOptionViewItem, index: Any) -> QSize:
+        return QSize(option.rect.width(), self.ROW_H)
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: Any) -> None:
+        painter.save()
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        pal = option.palette
+        r = option.rect.adjusted(6, 2, -6, -2)
+        selected = bool(option.state & QStyle.StateFlag.State_Selected)
+        hover = bool(option.state & QStyle.StateFlag.State_MouseOver)
+        text = pal.color(QPalette.ColorRole.Text)
+        if selected or hover:
+            bg = QColor(text)
+            bg.setAlphaF(0.10 if selected else 0.05)
+            painter.setPen(Qt.PenStyle.NoPen)
+            painter.setBrush(bg)
+            painter.drawRoundedRect(r, 8, 8)
+        if option.state & QStyle.StateFlag.State_HasFocus and selected:
+            focus = QColor(pal.color(QPalette.ColorRole.Highlight))
+            focus.setAlphaF(0.6)
+            painter.setPen(focus)
+            painter.setBrush(Qt.BrushStyle.NoBrush)
+            painter.drawRoundedRect(r, 8, 8)
+        cid = index.data(ConvIdRole)
+        accent = colors.accent_color(cid)
+        painter.setPen(Qt.PenStyle.NoPen)
+        painter.setBrush(accent)
+        painter.drawEllipse(QRect(r.left() + 10, r.top() + 10, 8, 8))
+        font = QFont(option.font)
+        title_font = QFont(font)
+        title_font.setWeight(QFont.Weight.Medium)
+        small = QFont(font)
+        small.setPointSizeF(max(7.0, font.pointSizeF() * 0.85))
+        x = r.left() + 26
+        w = r.right() - x - 6
+        fm = QFontMetrics(title_font)
+        painter.setFont(title_font)
+        painter.setPen(text)
+        title = fm.elidedText(
+            index.data(Qt.ItemDataRole.DisplayRole) or "", Qt.TextElideMode.ElideRight, w
+        )
+        painter.drawText(QRect(x, r.top() + 4, w, fm.height()), Qt.AlignmentFlag.AlignLeft, title)
+        painter.setFont(small)
+        muted = pal.color(QPalette.ColorRole.PlaceholderText)
+        painter.setPen(muted)
+        sub = relative_time(index.data(UpdatedRole) or 0)
+        if index.data(BusyRole):
+            sub = "Answering…  " + sub
+            painter.setPen(accent)
+        painter.drawText(
+            QRect(x, r.top() + 6 + fm.height(), w, QFontMetrics(small).height()),
+            Qt.AlignmentFlag.AlignLeft,
+            sub,
+        )
+        painter.restore()
+
+
+class ConversationListView(QListView):
+    openRequested = Signal(str, bool)  # conversation id, in a new pane
+    deleteRequested = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("conversationList")
+        self.setAccessibleName("Conversations")
+        self.setItemDelegate(ConversationDelegate(self))
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setMouseTracking(True)
+        self.setEditTriggers(
+            QAbstractItemView.EditTrigger.EditKeyPressed
+            | QAbstractItemView.EditTrigger.SelectedClicked
+        )
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.activated.connect(self._activated)
+        self.clicked.connect(self._activated)
+
+    def _cid(self, index: Any) -> str | None:
+        return index.data(ConvIdRole) if index is not None and index.isValid() else None
+
+    def _activated(self, index: Any) -> None:
+        cid = self._cid(index)
+        if cid:
+            from PySide6.QtWidgets import QApplication
+
+            new_pane = bool(
+                QApplication.keyboardModifiers()
+                & (Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.MetaModifier)
+            )
+            self.openRequested.emit(cid, new_pane)
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        cid = self._cid(self.currentIndex())
+        if (
+            cid
+            and event.key() in (Qt.Key.Key_Delete, Qt.Key.Key_Backspace)
+            and self.state() != (QAbstractItemView.State.EditingState)
+        ):
+            self.deleteRequested.emit(cid)
+            return
+        super().keyPressEvent(event)
+
+    def contextMenuEvent(self, event: QContextMenuEvent) -> None:
+        index = (
+            self.indexAt(event.pos())
+            if event.reason() == event.Reason.Mouse
+            else (self.currentIndex())
+        )
+        cid = self._cid(index)
+        if not cid:
+            return
+        menu = QMenu(self)
+        menu.setAccessibleName("Conversation actions")
+        menu.addAction("Open", lambda: self.openRequested.emit(cid, False))
+        menu.addAction("Open in New Pane", lambda: self.openRequested.emit(cid, True))
+        menu.addSeparator()
+        menu.addAction("Rename…", lambda: self.edit(index))
+        menu.addAction("Delete…", lambda: self.deleteRequested.emit(cid))
+        menu.exec(event.globalPos())
+
+
+class Sidebar(QFrame):
+    newChatRequested = Signal()
+
+    def __init__(self, store: Any, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("sidebar")
+        self.setAccessibleName("Sidebar")
+        self.store = store
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 10, 8, 8)
+        layout.setSpacing(8)
+
+        top = QHBoxLayout()
+        heading = QLabel("Chats")
+        heading.setObjectName("sidebarHeading")
+        top.addWidget(heading, 1)
+        self.new_button = QToolButton()
+        self.new_button.setIcon(icons.icon("new-chat", size=16))
+        self.new_button.setAccessibleName("New chat")
+        self.new_button.setToolTip("New chat")
+        self.new_button.setAutoRaise(True)
+        self.new_button.clicked.connect(self.newChatRequested)
+        top.addWidget(self.new_button)
+        layout.addLayout(top)
+
+        self.search = QLineEdit()
+        self.search.setObjectName("searchField")
+        self.search.setPlaceholderText("Search chats")
+        self.search.setAccessibleName("Search chats")
+        self.search.setClearButtonEnabled(True)
+        self.search.addAction(
+            icons.icon("search", size=14), QLineEdit.ActionPosition.LeadingPosition
+        )
+        layout.addWidget(self.search)
+
+        self.model = ConversationListModel(store, self)
+        self.proxy = ConversationFilter(store, self)
+        self.proxy.setSourceModel(self.model)
+        self.view = ConversationListView()
+        self.view.setModel(self.proxy)
+        layout.addWidget(self.view, 1)
+
+        self.empty = QLabel("No chats match.")
+        self.empty.setObjectName("sidebarEmpty")
+        self.empty.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty.hide()
+        layout.addWidget(self.empty)
+
+        self._search_timer = QTimer(self)
+        self._search_timer.setSingleShot(True)
+        self._search_timer.setInterval(150)
+        self._search_timer.timeout.connect(self._apply_search)
+        self.search.textChanged.connect(lambda _t: self._search_timer.start())
+
+    def _apply_search(self) -> None:
+        self.proxy.set_query(self.search.text())
+        self.empty.setVisible(bool(self.search.text().strip()) and self.proxy.rowCount() == 0)
+
+    def set_search(self, text: str) -> None:
+        """Search at once (no typing delay): used by tests and the Find action."""
+        self.search.setText(text)
+        self._search_timer.stop()
+        self._apply_search()
+
+    def visible_ids(self) -> list[str]:
+        return [self.proxy.index(r, 0).data(ConvIdRole) for r in range(self.proxy.rowCount())]
+
+    def reload(self) -> None:
+        current = self.view.currentIndex().data(ConvIdRole)
+        self.model.reload()
+        self.proxy.refresh()
+        if current:
+            self.select(current)
+
+    def select(self, conversation_id: str) -> None:
+        row = self.model.row_of(conversation_id)
+        if row < 0:
+            return
+        idx = self.proxy.mapFromSource(self.model.index(row))
+        if idx.isValid():
+            self.view.setCurrentIndex(idx)
+
+    def refresh_icons(self) -> None:
+        self.new_button.setIcon(icons.icon("new-chat", size=16))
