@@ -471,8 +471,7 @@ class Engine:
         )
 
     def _emit_and_finish(self, seq, text: str, token_ids: list[int], reason: FinishReason):
-        if len(text) > seq.emitted_chars:
-            self._emit(seq, text, token_ids)
+        self._emit(seq, text, token_ids)
         seq.text = text
         self._finish(seq, reason)
 

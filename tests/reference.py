@@ -1,0 +1,86 @@
+"""Independent references for engine tests: mlx-lm's own generation on its own cache.
+
+The reference model is a separate instance from the engine's, and references are computed
+while the engine is idle, so only one thread runs MLX work at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine import Engine, FinalEvent, TokenEvent
+from engine.config import SamplingParams
+from engine.models import LoadedModel, load_model
+from engine.sampling import new_key, sample_next
+
+
+@functools.lru_cache(maxsize=1)
+def reference_model() -> LoadedModel:
+    return load_model("default")
+
+
+def chat_prompt(messages: list[dict]) -> list[int]:
+    tokenizer = reference_model().tokenizer
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def greedy_reference(prompt: list[int], max_tokens: int) -> list[int]:
+    """Token ids mlx-lm's own greedy generation produces (it stops at EOS, like ours)."""
+    ref = reference_model()
+    out = []
+    for response in stream_generate(ref.model, ref.tokenizer, prompt, max_tokens=max_tokens):
+        out.append(response.token)
+        if response.finish_reason is not None:
+            break
+    return out
+
+
+def sampled_reference(prompt: list[int], params: SamplingParams, index: int,
+                      tokens: list[int]) -> list[int]:
+    """Replays a sampled reply on mlx-lm's cache with the same PRNG key stream: returns the
+    tokens that should have been drawn, given the tokens actually drawn before each one."""
+    ref = reference_model()
+    cache = make_prompt_cache(ref.model)
+    key = new_key(params.seed, index)
+    logits = ref.model(mx.array([prompt]), cache=cache)[0, -1]
+    history = list(prompt)
+    expected = []
+    for token in tokens:
+        drawn, key = sample_next(logits, params, history, key)
+        expected.append(drawn.item())
+        history.append(token)
+        logits = ref.model(mx.array([[token]]), cache=cache)[0, -1]
+    return expected
+
+
+def collect(handle) -> tuple[dict[int, list[int]], dict[int, FinalEvent]]:
+    """Every sample's token ids and final event, by sample index (blocking)."""
+    tokens: dict[int, list[int]] = {}
+    finals: dict[int, FinalEvent] = {}
+    for event in handle:
+        if isinstance(event, TokenEvent):
+            tokens.setdefault(event.index, []).extend(event.token_ids)
+        else:
+            finals[event.index] = event
+    return tokens, finals
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Poll ``condition`` until true (like qtbot.waitUntil); fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(0.01)
+
+
+def session_blocks(engine: Engine, session_id: str) -> int:
+    snap = engine.snapshot()
+    stats = snap.sessions.get(session_id) if snap else None
+    return stats.blocks_held if stats else 0

@@ -1,0 +1,256 @@
+"""The engine on the real embedded model, against mlx-lm's own generation.
+
+One engine per module (loading takes seconds); each test uses its own session ids.
+References come from a separate model instance, computed while the engine is idle.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import Engine, EngineConfig, FinishReason, SamplingParams, SequenceState, TokenEvent
+from tests.reference import (
+    chat_prompt,
+    collect,
+    greedy_reference,
+    sampled_reference,
+    session_blocks,
+    wait_until,
+)
+
+pytestmark = pytest.mark.model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
+SYSTEM = (
+    "You are a careful assistant for a small bakery. Answer briefly, in plain words, and "
+    "always mention that fresh bread is baked every morning at six o'clock."
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "Explain what a KV cache is in one sentence.",
+    "Give me a short tip for learning to cook.",
+    "What is 12 times 12?",
+    "Say hello in Spanish and in German.",
+]
+
+
+def user(text: str, system: str | None = None) -> list[dict]:
+    messages = [{"role": "system", "content": system}] if system else []
+    return messages + [{"role": "user", "content": text}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = Engine(EngineConfig(kv_memory_mib=64, block_size=16, max_batch=16, prefill_chunk=128))
+    eng.start()
+    assert eng.wait_ready(600), eng.load_error
+    yield eng
+    eng.stop()
+
+
+def test_greedy_generation_equals_mlx_lm(engine: Engine) -> None:
+    prompts = [chat_prompt(user(q)) for q in QUESTIONS[:5]]
+    expected = [greedy_reference(p, GREEDY.max_tokens) for p in prompts]
+    handles = [
+        engine.submit(prompt_tokens=p, params=GREEDY, session_id=f"greedy-{i}")
+        for i, p in enumerate(prompts)
+    ]
+    for i, handle in enumerate(handles):
+        tokens, finals = collect(handle)
+        assert tokens[0] == expected[i], f"prompt {i} diverged"
+        assert finals[0].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        assert finals[0].usage.generated_tokens == len(expected[i])
+
+
+def test_shared_system_prompt_reuses_cached_blocks(engine: Engine) -> None:
+    first = chat_prompt(user(QUESTIONS[0], SYSTEM))
+    second = chat_prompt(user(QUESTIONS[1], SYSTEM))
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert common >= 40
+    expected = greedy_reference(second, 24)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    collect(engine.submit(prompt_tokens=first, params=params, session_id="prefix-a"))
+    hits_before = engine.snapshot().counters.prefix_cache_hits
+    tokens, finals = collect(engine.submit(prompt_tokens=second, params=params,
+                                           session_id="prefix-b"))
+    full_blocks = common // 16
+    assert finals[0].usage.cached_prompt_tokens == full_blocks * 16
+    wait_until(lambda: engine.snapshot().counters.prefix_cache_hits >= hits_before + full_blocks)
+    assert tokens[0] == expected
+
+
+def test_fork_after_prompt_copies_the_shared_partial_block(engine: Engine) -> None:
+    prompt = chat_prompt(user("Tell me a story about a dragon."))
+    assert len(prompt) % 16 != 0  # the last prompt block is partial: forks must copy it
+    params = SamplingParams(temperature=1.0, max_tokens=20, seed=7, n=3)
+    tokens, finals = collect(engine.submit(prompt_tokens=prompt, params=params,
+                                           session_id="fork"))
+    assert len(finals) == 3
+    assert len({tuple(t) for t in tokens.values()}) > 1, "samples did not diverge"
+    for index, drawn in tokens.items():
+        assert drawn == sampled_reference(prompt, params, index, drawn), f"sample {index}"
+
+
+def test_eight_chats_arriving_at_different_times_match_their_solo_runs(engine: Engine) -> None:
+    prompts = [chat_prompt(user(q)) for q in QUESTIONS]
+    budgets = [12, 40, 20, 32, 16, 40, 24, 28]
+    expected = [greedy_reference(p, n) for p, n in zip(prompts, budgets)]
+    handles = []
+    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        if handles:  # the next chat arrives while the earlier ones are streaming
+            wait_until(lambda h=handles[-1]: h.token_events >= 2 or h.done)
+        handles.append(engine.submit(
+            prompt_tokens=prompt, params=SamplingParams(temperature=0.0, max_tokens=budget),
+            session_id=f"eight-{i}",
+        ))
+    for i, handle in enumerate(handles):
+        tokens, _ = collect(handle)
+        assert tokens[0] == expected[i], f"chat {i} diverged in the batch"
+
+
+def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(engine: Engine) -> None:
+    long_text = " ".join(f"Item {i} is a line of a long shopping list." for i in range(70))
+    long_prompt = chat_prompt(user(long_text + " Which item comes first?"))
+    chunks = -(-len(long_prompt) // 128)
+    assert chunks >= 5
+    expected = greedy_reference(long_prompt, 8)
+    runner = engine.submit(messages=user("Count from one to fifty in words."),
+                           params=SamplingParams(temperature=0.0, max_tokens=200),
+                           session_id="chunk-runner")
+    wait_until(lambda: runner.token_events >= 2)
+    before = runner.token_events
+    joiner = engine.submit(prompt_tokens=long_prompt,
+                           params=SamplingParams(temperature=0.0, max_tokens=8),
+                           session_id="chunk-joiner")
+    first = next(e for e in joiner if isinstance(e, TokenEvent))
+    # One decode step of the running chat per prompt chunk, at least.
+    assert runner.token_events - before >= chunks - 1
+    rest, _ = collect(joiner)
+    assert list(first.token_ids) + rest.get(0, []) == expected
+    runner.cancel()
+    collect(runner)
+
+
+def test_cancel_frees_blocks_at_once_and_deleted_session_ends_cancelled(engine: Engine) -> None:
+    handle = engine.submit(messages=user("Write a long poem about autumn."),
+                           params=SamplingParams(temperature=0.0, max_tokens=400),
+                           session_id="cancel-me")
+    wait_until(lambda: handle.token_events >= 3)
+    assert session_blocks(engine, "cancel-me") > 0
+    handle.cancel()
+    _, finals = collect(handle)
+    assert finals[0].finish_reason is FinishReason.CANCELLED
+    wait_until(lambda: session_blocks(engine, "cancel-me") == 0, timeout=5)
+
+    other = engine.submit(messages=user("Describe a forest."),
+                          params=SamplingParams(temperature=0.0, max_tokens=400),
+                          session_id="deleted-chat")
+    wait_until(lambda: other.token_events >= 1)
+    engine.cancel_session("deleted-chat")
+    _, finals = collect(other)
+    assert finals[0].finish_reason is FinishReason.CANCELLED
+    wait_until(lambda: "deleted-chat" not in engine.snapshot().sessions, timeout=5)
+
+
+def test_seed_reproduces_and_stop_and_max_tokens_end_replies(engine: Engine) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, seed=1234)
+    msgs = user("Invent a name for a cat.")
+    a, _ = collect(engine.submit(messages=msgs, params=params, session_id="seed-a"))
+    b, _ = collect(engine.submit(messages=msgs, params=params, session_id="seed-b"))
+    assert a[0] == b[0]
+
+    _, finals = collect(engine.submit(messages=user(QUESTIONS[0]),
+                                      params=SamplingParams(temperature=0.0, stop=("Paris",)),
+                                      session_id="stop"))
+    assert finals[0].finish_reason is FinishReason.STOP
+    assert finals[0].text == "The capital of France is "
+
+    tokens, finals = collect(engine.submit(messages=user(QUESTIONS[2]),
+                                           params=SamplingParams(temperature=0.0, max_tokens=5),
+                                           session_id="length"))
+    assert finals[0].finish_reason is FinishReason.LENGTH and len(tokens[0]) == 5
+
+
+def test_over_long_prompt_ends_with_a_clear_error_and_engine_keeps_serving(engine) -> None:
+    too_long = [1] * (engine.model_info.max_context + 5)
+    _, finals = collect(engine.submit(prompt_tokens=too_long, session_id="too-long"))
+    assert finals[0].finish_reason is FinishReason.ERROR
+    assert "context limit" in finals[0].error
+    _, finals = collect(engine.submit(messages=user(QUESTIONS[0]),
+                                      params=SamplingParams(temperature=0.0, max_tokens=8),
+                                      session_id="after-error"))
+    assert finals[0].finish_reason is not FinishReason.ERROR
+    with pytest.raises(ValueError):
+        engine.submit(messages=[{"role": "user", "content": "   "}])
+
+
+def test_a_failing_request_fails_alone(engine: Engine) -> None:
+    expected = greedy_reference(chat_prompt(user(QUESTIONS[3])), 16)
+
+    def explode(seq) -> None:
+        if seq.session_id == "faulty" and seq.num_generated >= 2:
+            raise RuntimeError("injected fault")
+
+    engine.fault_injector = explode
+    try:
+        bad = engine.submit(messages=user(QUESTIONS[4]),
+                            params=SamplingParams(temperature=0.0, max_tokens=30),
+                            session_id="faulty")
+        good = engine.submit(messages=user(QUESTIONS[3]),
+                             params=SamplingParams(temperature=0.0, max_tokens=16),
+                             session_id="healthy")
+        _, bad_finals = collect(bad)
+        tokens, good_finals = collect(good)
+    finally:
+        engine.fault_injector = None
+    assert bad_finals[0].finish_reason is FinishReason.ERROR
+    assert "injected fault" in bad_finals[0].error
+    assert good_finals[0].finish_reason is not FinishReason.ERROR
+    assert tokens[0] == expected
+    wait_until(lambda: session_blocks(engine, "faulty") == 0, timeout=5)
+
+
+def test_snapshot_reports_sessions_blocks_and_counters(engine: Engine) -> None:
+    handle = engine.submit(messages=user(QUESTIONS[5], SYSTEM),
+                           params=SamplingParams(temperature=0.0, max_tokens=300),
+                           session_id="snap")
+    wait_until(lambda: handle.token_events >= 3)
+    snap = engine.snapshot()
+    stats = snap.sessions["snap"]
+    assert stats.state is SequenceState.DECODING
+    held = [b for b in range(snap.num_blocks) if "snap" in snap.owners[b]]
+    assert stats.blocks_held == len(held) > 0
+    assert all(snap.refcounts[b] >= 1 for b in held)
+    assert stats.tokens_in_context == sum(snap.fills[b] for b in held)
+    assert snap.counters.steps > 0 and snap.counters.tokens_per_s > 0
+    with pytest.raises(AttributeError):
+        snap.num_blocks = 3  # immutable
+    handle.cancel()
+    collect(handle)
+
+
+def test_small_pool_preempts_and_every_chat_still_matches() -> None:
+    prompts = [chat_prompt(user(q)) for q in QUESTIONS[:6]]
+    expected = [greedy_reference(p, 40) for p in prompts]
+    # 30 layers x 2 x 3 heads x 64 dims x 4 bytes x 16 slots = 720 KiB per block: 16 blocks,
+    # while the six chats need about 30 at their longest.
+    small = Engine(EngineConfig(kv_memory_mib=16 * 0.703125, block_size=16, max_batch=8))
+    small.start()
+    try:
+        assert small.wait_ready(600), small.load_error
+        assert small.model_info.num_blocks == 16
+        handles = [small.submit(prompt_tokens=p,
+                                params=SamplingParams(temperature=0.0, max_tokens=40),
+                                session_id=f"tiny-{i}") for i, p in enumerate(prompts)]
+        results = [collect(h) for h in handles]
+        snap = small.snapshot()
+    finally:
+        small.stop()
+    assert snap.counters.preemptions > 0
+    for i, (tokens, finals) in enumerate(results):
+        assert finals[0].finish_reason is not FinishReason.ERROR, finals[0].error
+        assert tokens[0] == expected[i], f"chat {i} changed after preemption"
+    assert snap.used_blocks == 0
