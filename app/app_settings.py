@@ -88,6 +88,17 @@ class AppSettings:
             return f"Unknown theme {self.theme!r}."
         return None
 
+    def engine_config(self, **overrides: Any) -> Any:
+        """The EngineConfig these settings describe (raises ValueError for bad values)."""
+        from engine import EngineConfig
+
+        return EngineConfig(
+            model=self.model_spec(),
+            kv_memory_mib=float(self.kv_memory_mib),
+            block_size=int(self.block_size),
+            **overrides,
+        )
+
     def engine_key(self) -> tuple[str, float, int]:
         """What needs an engine restart when it changes."""
         return (self.model_spec(), float(self.kv_memory_mib), int(self.block_size))

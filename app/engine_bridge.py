@@ -157,6 +157,10 @@ class EngineBridge(QObject):
         self._poll()
         self.modelReady.emit(self._model_info)
 
+    def fail(self, message: str) -> None:
+        """Report a problem found before starting (e.g. a model folder that does not exist)."""
+        self._fail(message)
+
     def _fail(self, message: str) -> None:
         self._load_error = message
         self._set_status("error")
@@ -269,6 +273,8 @@ class EngineBridge(QObject):
         except Exception:
             log.debug("snapshot failed", exc_info=True)
             return
+        if snap is None:
+            return  # not built yet
         self._latest_snapshot = snap
         self.snapshotUpdated.emit(snap)
 

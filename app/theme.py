@@ -7,15 +7,13 @@ that caches colours (rendered messages, icons) listens to `theme_manager().chang
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QColor, QGuiApplication, QPalette
 from PySide6.QtWidgets import QApplication
 
 from app.chat.markdown import DARK, LIGHT, MarkdownTheme
-
-RESOURCES = Path(__file__).resolve().parent.parent / "resources"
+from app.resources import resources_dir
 
 _LIGHT = {
     "window": "#f3f3f5",
@@ -97,7 +95,7 @@ class ThemeManager(QObject):
         if sys.platform != "darwin":
             app.setStyle("Fusion")  # consistent, palette-driven look off the Mac
         app.setPalette(_palette(_DARK if dark else _LIGHT))
-        qss = RESOURCES / ("dark.qss" if dark else "light.qss")
+        qss = resources_dir() / ("dark.qss" if dark else "light.qss")
         try:
             app.setStyleSheet(qss.read_text(encoding="utf-8"))
         except OSError:

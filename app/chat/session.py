@@ -319,6 +319,7 @@ class ChatSession(QObject):
     def interrupt(self) -> None:
         """The app is quitting: cancel, and keep every partial reply marked interrupted."""
         self._quitting = True
+        was_busy = self.busy
         for rid, ids in list(self._requests.items()):
             self.bridge.cancel(rid)
             for mid in ids:
@@ -328,6 +329,9 @@ class ChatSession(QObject):
         self._requests.clear()
         self._save_timer.stop()
         self.flush()
+        self._quitting = False
+        if was_busy:
+            self.busyChanged.emit(False)
 
     # ---- context footer ------------------------------------------------------------------
 

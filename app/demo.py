@@ -1,0 +1,93 @@
+"""`pagedchat --demo [--screenshot FILE]`: three chats streaming side by side.
+
+Two panes share a system prompt (so their prompt prefixes share KV blocks in the pool), the
+third has its own. Replies are short (DEMO_MAX_TOKENS) so the demo finishes quickly even on a
+CPU. With --screenshot, the window is saved as an image when every reply is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtWidgets import QApplication
+
+from app.records import ChatSettings, SamplingSettings
+
+DEMO_MAX_TOKENS = 48
+DEMO_TIMEOUT_S = 900.0
+SHARED_SYSTEM = "You are a friendly, concise assistant. Answer in a few short sentences."
+DEMO_CHATS = (
+    ("What is a KV cache?", SHARED_SYSTEM, "Explain what a KV cache is in a language model."),
+    ("Paged memory haiku", SHARED_SYSTEM, "Write a haiku about sharing memory pages."),
+    (
+        "Reverse a string",
+        "You are a Python expert. Reply with one short code block.",
+        "Write a Python function that reverses a string.",
+    ),
+)
+
+
+def log(text: str) -> None:
+    print(f"pagedchat demo: {text}", file=sys.stderr, flush=True)
+
+
+async def _wait(predicate: Any, timeout: float, step: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(step)
+    return True
+
+
+def open_demo_panes(window: Any, max_tokens: int = DEMO_MAX_TOKENS) -> list[Any]:
+    """Open the three demo chats in panes (replacing an empty first pane); returns panes."""
+    panes = []
+    for i, (title, system, _prompt) in enumerate(DEMO_CHATS):
+        settings = ChatSettings(
+            system_prompt=system,
+            sampling=SamplingSettings(temperature=0.0, max_tokens=max_tokens),
+        )
+        session = window.manager.create(title, settings)
+        first = i == 0 and len(window.panes) == 1 and not window.panes[0].session.active_path()
+        panes.append(window.open_chat(session.id, new_pane=not first))
+    return panes
+
+
+async def run_demo(window: Any, screenshot: str | None, max_tokens: int = DEMO_MAX_TOKENS) -> int:
+    """Run the demo; returns the process exit code."""
+    window.resize(1480, 900)
+    bridge = window.bridge
+    panes = open_demo_panes(window, max_tokens)
+    for pane, (_t, _s, prompt) in zip(panes, DEMO_CHATS, strict=True):
+        pane.send(prompt)  # queued by the engine while the model loads
+    log("waiting for the model and three replies…")
+    ok = await _wait(
+        lambda: (
+            bridge.status == "error"
+            or (bridge.status == "ready" and not any(p.session.busy for p in panes))
+        ),
+        DEMO_TIMEOUT_S,
+    )
+    if bridge.status == "error":
+        log(f"the model could not be loaded: {bridge.load_error}")
+        return 1
+    if not ok:
+        log("timed out waiting for the replies")
+        return 1
+    for p in panes:
+        p.session.refresh_context()
+    await asyncio.sleep(0.6)  # let the footers, throttled renders and snapshot catch up
+    if screenshot:
+        QApplication.processEvents()
+        path = Path(screenshot).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not window.grab().save(str(path)):
+            log(f"could not write {path}")
+            return 1
+        log(f"screenshot saved to {path}")
+    return 0

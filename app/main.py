@@ -1,0 +1,172 @@
+"""PagedChat's entry point: `pagedchat` (see pyproject.toml).
+
+Builds the QApplication and the qasync event loop, opens the app database, starts the engine
+thread (the model loads in the background while the window shows its loading state), and on
+quit stops every stream cleanly: partial replies are saved as interrupted, then the engine
+thread is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+EXIT_NO_DISPLAY = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pagedchat",
+        description="Several local-LLM chats side by side, streaming from one paged KV pool.",
+    )
+    p.add_argument(
+        "--model",
+        metavar="SPEC",
+        help="'default' (embedded SmolLM2), a local mlx-lm folder or a Hugging Face repo id; "
+        "overrides the saved setting for this run",
+    )
+    p.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="folder for chats and settings (default: the platform's app-data folder; "
+        "with --demo: a temporary folder)",
+    )
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help="open three panes side by side and stream a short prompt in each",
+    )
+    p.add_argument(
+        "--screenshot",
+        metavar="FILE",
+        help="with --demo: when every reply is done, save a screenshot of the window and exit",
+    )
+    p.add_argument("--kv-memory-mib", type=float, metavar="MIB", help="KV pool budget for this run")
+    p.add_argument("--theme", choices=("system", "light", "dark"), help="colour theme for this run")
+    # Packaging adds --self-test here (and its branch in main()).
+    return p
+
+
+def default_data_dir() -> Path:
+    from PySide6.QtCore import QStandardPaths
+
+    loc = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.AppDataLocation)
+    return Path(loc) if loc else Path.home() / ".pagedchat"
+
+
+def _quiet_offscreen_warnings() -> None:
+    """The offscreen platform warns about window hints it cannot honour; that is noise."""
+    if os.environ.get("QT_QPA_PLATFORM") != "offscreen":
+        return
+    from PySide6.QtCore import qInstallMessageHandler
+
+    def handler(_mode: object, _context: object, message: str) -> None:
+        if "propagateSizeHints" not in message:
+            print(message, file=sys.stderr)
+
+    qInstallMessageHandler(handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.screenshot and not args.demo:
+        parser.error("--screenshot needs --demo")
+
+    from app.display import no_display_problem
+
+    problem = no_display_problem()
+    if problem:
+        if args.demo and args.screenshot:
+            os.environ["QT_QPA_PLATFORM"] = "offscreen"  # nothing to show: render off screen
+        else:
+            print(problem, file=sys.stderr)
+            return EXIT_NO_DISPLAY
+
+    import qasync
+    from PySide6.QtWidgets import QApplication
+
+    from app import secrets
+    from app.app_settings import AppSettings
+    from app.engine_bridge import EngineBridge
+    from app.main_window import MainWindow
+    from app.resources import app_icon
+    from app.store import Store
+    from app.theme import theme_manager
+
+    _quiet_offscreen_warnings()
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("PagedChat")
+    app.setApplicationDisplayName("PagedChat")
+    app.setDesktopFileName("pagedchat")
+    app.setWindowIcon(app_icon())
+    if sys.platform == "darwin":
+        app.setQuitOnLastWindowClosed(False)  # Mac: the app stays in the Dock
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+
+    if args.data_dir:
+        data_dir = Path(args.data_dir).expanduser()
+    elif args.demo:
+        data_dir = Path(tempfile.mkdtemp(prefix="pagedchat-demo-"))
+    else:
+        data_dir = default_data_dir()
+    try:
+        store = Store(data_dir)
+    except Exception as exc:
+        print(f"pagedchat: cannot open the data folder {data_dir}: {exc}", file=sys.stderr)
+        return 1
+
+    settings = AppSettings.load(store)
+    if args.model:
+        settings.set_model_spec(args.model)
+    if args.kv_memory_mib:
+        settings.kv_memory_mib = args.kv_memory_mib
+    if args.theme:
+        settings.theme = args.theme
+    theme_manager().apply(settings.theme)
+
+    bridge = EngineBridge()
+    window = MainWindow(store, bridge, settings)
+    window.show()
+
+    invalid = settings.validate()
+    if invalid:
+        bridge.fail(invalid)
+    else:
+        secrets.export_hf_token()
+        try:
+            bridge.start(settings.engine_config())
+        except ValueError as exc:
+            bridge.fail(str(exc))
+
+    demo_result: dict[str, int] = {}
+    if args.demo:
+        from app.demo import run_demo
+
+        async def demo() -> None:
+            demo_result["code"] = await run_demo(window, args.screenshot)
+            if args.screenshot:
+                app.exit(demo_result["code"])
+
+        asyncio.ensure_future(demo())
+
+    try:
+        code = loop.run_forever()
+    finally:
+        window.shutdown_chats()
+        bridge.shutdown()
+        store.close()
+        loop.close()  # joins the loop's worker threads (else Qt aborts at exit)
+    code = demo_result.get("code", code if isinstance(code, int) else 0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

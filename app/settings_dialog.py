@@ -1,0 +1,210 @@
+"""Preferences: model, KV pool, defaults for new chats, theme, and the Hugging Face token.
+
+The token field writes only to the OS keychain (app/secrets.py); it is never kept in the
+settings database. Every value is checked before the dialog closes (a missing model folder, a
+malformed repo id, bad sampling values), with the problem shown in the dialog.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QPushButton,
+    QRadioButton,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app import secrets
+from app.app_settings import BLOCK_SIZES, AppSettings
+from app.chat.chat_settings_dialog import SamplingForm, sampling_error
+
+
+class SettingsDialog(QDialog):
+    def __init__(self, settings: AppSettings, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Settings")
+        self.setAccessibleName("Settings")
+        self.setMinimumWidth(520)
+        self._initial = settings
+        self.token_changed = False
+        layout = QVBoxLayout(self)
+        tabs = QTabWidget()
+        tabs.setAccessibleName("Settings sections")
+        layout.addWidget(tabs)
+        tabs.addTab(self._model_tab(settings), "&Model")
+        tabs.addTab(self._defaults_tab(settings), "&New Chats")
+        tabs.addTab(self._appearance_tab(settings), "&Appearance")
+        self.error = QLabel()
+        self.error.setObjectName("errorLabel")
+        self.error.setWordWrap(True)
+        self.error.setAccessibleName("Settings error")
+        self.error.hide()
+        layout.addWidget(self.error)
+        buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
+        )
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        layout.addWidget(buttons)
+        self._kind_changed()
+
+    # ---- tabs ----------------------------------------------------------------------------
+
+    def _model_tab(self, s: AppSettings) -> QWidget:
+        page = QWidget()
+        v = QVBoxLayout(page)
+        box = QGroupBox("Model")
+        b = QVBoxLayout(box)
+        self.kind_group = QButtonGroup(self)
+        self.kind_default = QRadioButton("&Default (embedded SmolLM2-135M-Instruct)")
+        self.kind_folder = QRadioButton("&Local mlx-lm folder:")
+        self.kind_hf = QRadioButton("&Hugging Face repo:")
+        for i, r in enumerate((self.kind_default, self.kind_folder, self.kind_hf)):
+            self.kind_group.addButton(r, i)
+            r.toggled.connect(self._kind_changed)
+        b.addWidget(self.kind_default)
+        row = QHBoxLayout()
+        row.addWidget(self.kind_folder)
+        self.folder_edit = QLineEdit(s.model_folder)
+        self.folder_edit.setAccessibleName("Model folder")
+        self.folder_edit.setPlaceholderText("/path/to/mlx-model")
+        row.addWidget(self.folder_edit, 1)
+        self.browse = QPushButton("Choose…")
+        self.browse.setAccessibleName("Choose model folder")
+        self.browse.clicked.connect(self._choose_folder)
+        row.addWidget(self.browse)
+        b.addLayout(row)
+        row = QHBoxLayout()
+        row.addWidget(self.kind_hf)
+        self.repo_edit = QLineEdit(s.model_repo)
+        self.repo_edit.setAccessibleName("Hugging Face repo id")
+        self.repo_edit.setPlaceholderText("mlx-community/Qwen3-0.6B-4bit")
+        row.addWidget(self.repo_edit, 1)
+        b.addLayout(row)
+        {"folder": self.kind_folder, "hf": self.kind_hf}.get(
+            s.model_kind, self.kind_default
+        ).setChecked(True)
+        v.addWidget(box)
+
+        token_box = QGroupBox("Hugging Face token")
+        t = QFormLayout(token_box)
+        self.token_edit = QLineEdit(secrets.get_hf_token() or "")
+        self.token_edit.setEchoMode(QLineEdit.EchoMode.Password)
+        self.token_edit.setAccessibleName("Hugging Face token")
+        self.token_edit.setPlaceholderText("hf_… (only for gated or private repos)")
+        t.addRow("&Token:", self.token_edit)
+        note = QLabel(f"Stored only in the system keychain ({secrets.backend_name()}).")
+        note.setObjectName("hint")
+        t.addRow(note)
+        v.addWidget(token_box)
+
+        pool = QGroupBox("KV cache pool")
+        f = QFormLayout(pool)
+        self.kv_spin = QDoubleSpinBox()
+        self.kv_spin.setRange(1, 1 << 20)
+        self.kv_spin.setDecimals(0)
+        self.kv_spin.setSuffix(" MiB")
+        self.kv_spin.setValue(s.kv_memory_mib)
+        self.kv_spin.setAccessibleName("KV memory budget")
+        f.addRow("&Memory budget:", self.kv_spin)
+        self.block_combo = QComboBox()
+        self.block_combo.setAccessibleName("Block size")
+        for bs in BLOCK_SIZES:
+            self.block_combo.addItem(f"{bs} tokens", bs)
+        self.block_combo.setCurrentIndex(max(0, self.block_combo.findData(s.block_size)))
+        f.addRow("&Block size:", self.block_combo)
+        hint = QLabel("Changing the model or the pool restarts the engine; open chats stay.")
+        hint.setObjectName("hint")
+        hint.setWordWrap(True)
+        f.addRow(hint)
+        v.addWidget(pool)
+        v.addStretch(1)
+        return page
+
+    def _defaults_tab(self, s: AppSettings) -> QWidget:
+        page = QWidget()
+        v = QVBoxLayout(page)
+        label = QLabel("Default &system prompt for new chats:")
+        self.system_prompt = QPlainTextEdit(s.default_system_prompt)
+        self.system_prompt.setAccessibleName("Default system prompt")
+        self.system_prompt.setTabChangesFocus(True)
+        self.system_prompt.setFixedHeight(90)
+        label.setBuddy(self.system_prompt)
+        v.addWidget(label)
+        v.addWidget(self.system_prompt)
+        self.sampling = SamplingForm(s.default_sampling)
+        v.addWidget(self.sampling)
+        v.addStretch(1)
+        return page
+
+    def _appearance_tab(self, s: AppSettings) -> QWidget:
+        page = QWidget()
+        f = QFormLayout(page)
+        self.theme_combo = QComboBox()
+        self.theme_combo.setAccessibleName("Theme")
+        for label, value in (("System", "system"), ("Light", "light"), ("Dark", "dark")):
+            self.theme_combo.addItem(label, value)
+        self.theme_combo.setCurrentIndex(max(0, self.theme_combo.findData(s.theme)))
+        f.addRow("&Theme:", self.theme_combo)
+        return page
+
+    # ---- behaviour -----------------------------------------------------------------------
+
+    def _kind_changed(self, *_args: object) -> None:
+        self.folder_edit.setEnabled(self.kind_folder.isChecked())
+        self.browse.setEnabled(self.kind_folder.isChecked())
+        self.repo_edit.setEnabled(self.kind_hf.isChecked())
+
+    def _choose_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(
+            self, "Choose an mlx-lm model folder", self.folder_edit.text()
+        )
+        if folder:
+            self.folder_edit.setText(folder)
+            self.kind_folder.setChecked(True)
+
+    def value(self) -> AppSettings:
+        kind = {1: "folder", 2: "hf"}.get(self.kind_group.checkedId(), "default")
+        return AppSettings(
+            model_kind=kind,
+            model_folder=self.folder_edit.text().strip(),
+            model_repo=self.repo_edit.text().strip(),
+            kv_memory_mib=float(self.kv_spin.value()),
+            block_size=int(self.block_combo.currentData()),
+            theme=str(self.theme_combo.currentData()),
+            default_system_prompt=self.system_prompt.toPlainText(),
+            default_sampling=self.sampling.value(),
+        )
+
+    def show_error(self, text: str) -> None:
+        self.error.setText(text)
+        self.error.show()
+
+    def accept(self) -> None:
+        value = self.value()
+        problem = value.validate() or sampling_error(value.default_sampling)
+        if problem:
+            self.show_error(problem)
+            return
+        token = self.token_edit.text().strip()
+        if token != (secrets.get_hf_token() or ""):
+            try:
+                secrets.set_hf_token(token)
+            except secrets.SecretStoreError as exc:
+                self.show_error(str(exc))
+                return
+            self.token_changed = True
+        super().accept()
