@@ -21,7 +21,8 @@ def gather_blocks(pool: mx.array, block_table: mx.array) -> mx.array:
     blocks = pool[block_table]  # [..., nb, bs, kvh, d]
     *lead, nb, bs, kvh, d = blocks.shape
     tokens = blocks.reshape(*lead, nb * bs, kvh, d)
-    return mx.swapaxes(tokens, -2, -3)
+    # SDPA on a strided view is ~2x slower than copying it to contiguous first (CPU backend).
+    return mx.contiguous(mx.swapaxes(tokens, -2, -3))
 
 
 def reference_decode(
