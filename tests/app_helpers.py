@@ -1,0 +1,55 @@
+"""Helpers for the app tests: build a real main window on the shared real engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from app.app_settings import AppSettings
+from app.engine_bridge import EngineBridge
+from app.main_window import MainWindow
+from app.records import ChatSettings, SamplingSettings, Status
+from app.store import Store
+
+WAIT_MS = 240_000  # generous: CI machines are slow and shared
+
+
+@dataclass
+class Harness:
+    store: Store
+    bridge: EngineBridge
+    window: MainWindow
+
+    def close(self) -> None:
+        self.window.shutdown_chats()
+        self.window.close()
+        self.window.deleteLater()
+        self.store.close()
+
+
+def open_window(qtbot: Any, data_dir: Any, engine: Any) -> Harness:
+    store = Store(data_dir)
+    bridge = EngineBridge(engine=engine)
+    window = MainWindow(store, bridge, AppSettings.load(store))
+    qtbot.addWidget(window)
+    window.show()
+    qtbot.waitUntil(lambda: bridge.status == "ready", timeout=WAIT_MS)
+    return Harness(store, bridge, window)
+
+
+def greedy(max_tokens: int = 16, system: str = "") -> ChatSettings:
+    return ChatSettings(
+        system_prompt=system, sampling=SamplingSettings(temperature=0.0, max_tokens=max_tokens)
+    )
+
+
+def last_reply(pane: Any) -> Any:
+    return pane.session.active_path()[-1]
+
+
+def wait_idle(qtbot: Any, *panes: Any) -> None:
+    qtbot.waitUntil(lambda: not any(p.session.busy for p in panes), timeout=WAIT_MS)
+
+
+def finished(msg: Any) -> bool:
+    return msg.status not in Status.LIVE

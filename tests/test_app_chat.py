@@ -1,0 +1,246 @@
+"""The chat app on the real engine and the real default model (offscreen Qt).
+
+One engine per module (app_engine); each test builds a fresh main window on its own data folder.
+Generations are short and greedy so the suite stays fast and deterministic.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from PySide6.QtCore import QPoint, Qt
+from PySide6.QtGui import QGuiApplication
+
+from app.records import Message, Status
+from tests.app_helpers import WAIT_MS, greedy, last_reply, open_window, wait_idle
+
+pytestmark = pytest.mark.model
+
+LONG_PROMPT = "Write a long story about a dragon who learns to read."
+
+
+@pytest.fixture
+def harness(qtbot, qasync_loop, app_env, app_engine):
+    h = open_window(qtbot, app_env, app_engine)
+    yield h
+    h.close()
+
+
+def _pane_with(h, settings):
+    pane = h.window.focused_pane
+    pane.session.set_settings(settings)
+    return pane
+
+
+def test_two_panes_stream_at_the_same_time(harness, qtbot):
+    w = harness.window
+    a = _pane_with(harness, greedy(24))
+    b = w.new_chat(new_pane=True)
+    b.session.set_settings(greedy(24))
+    assert len(w.panes) == 2
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    tokens: dict[str, list[str]] = {a.session.id: [], b.session.id: []}
+
+    def on_token(session_id, request_id, index, text):
+        first.setdefault(session_id, time.monotonic())
+        tokens[session_id].append(request_id)
+
+    harness.bridge.tokenReceived.connect(on_token)
+    for pane in (a, b):
+        pane.session.busyChanged.connect(
+            lambda busy, sid=pane.session.id: (
+                None if busy else done.setdefault(sid, time.monotonic())
+            )
+        )
+    a.input.setPlainText(LONG_PROMPT)
+    qtbot.keyClick(a.input, Qt.Key.Key_Return)
+    w.focus_pane(1)
+    b.input.setPlainText("Write a long poem about the sea.")
+    qtbot.keyClick(b.input, Qt.Key.Key_Return)
+    assert a.session.busy and b.session.busy
+    wait_idle(qtbot, a, b)
+    # each pane received tokens before the other one finished: they streamed concurrently
+    assert first[a.session.id] < done[b.session.id]
+    assert first[b.session.id] < done[a.session.id]
+    # every event carried its own chat's request id: no output landed in the wrong chat
+    assert set(tokens[a.session.id]).isdisjoint(tokens[b.session.id])
+    ra, rb = last_reply(a), last_reply(b)
+    assert ra.role == rb.role == "assistant"
+    assert ra.content and rb.content and ra.content != rb.content
+    assert ra.status in (Status.COMPLETE, Status.LENGTH)
+    # finished replies are persisted
+    stored = {m.id: m for m in harness.store.load_messages(a.session.id)}
+    assert stored[ra.id].content == ra.content and stored[ra.id].status == ra.status
+    # the footer shows speed, context used / limit and blocks
+    stats = a.footer_stats()
+    assert stats["max_context"] == 8192 and stats["context"] and stats["context"] > 10
+    assert "tok/s" in a.footer.text() and "/ 8,192 tokens" in a.footer.text()
+
+
+def test_stop_ends_the_reply_and_frees_its_blocks(harness, qtbot):
+    pane = _pane_with(harness, greedy(400))
+    sid = pane.session.id
+    pane.input.setPlainText(LONG_PROMPT)
+    qtbot.mouseClick(pane.send_button, Qt.MouseButton.LeftButton)
+    assert pane.session.busy and pane.send_button.accessibleName() == "Stop generating"
+
+    def holds_blocks():
+        snap = harness.bridge.latest_snapshot
+        stats = snap.sessions.get(sid) if snap else None
+        return bool(stats and stats.blocks_held > 0 and last_reply(pane).content)
+
+    qtbot.waitUntil(holds_blocks, timeout=WAIT_MS)
+    qtbot.mouseClick(pane.send_button, Qt.MouseButton.LeftButton)  # now the stop button
+    wait_idle(qtbot, pane)
+    reply = last_reply(pane)
+    assert reply.status == Status.STOPPED and reply.content  # partial text kept
+    qtbot.waitUntil(
+        lambda: harness.bridge.latest_snapshot.sessions[sid].blocks_held == 0, timeout=10_000
+    )
+    assert harness.store.get_message(reply.id).status == Status.STOPPED
+
+
+def test_regenerate_adds_alternatives_and_the_switcher_moves_between_them(harness, qtbot):
+    pane = _pane_with(harness, greedy(8))
+    assert pane.send("Name a colour.")
+    wait_idle(qtbot, pane)
+    original = last_reply(pane)
+    # two more alternatives in one request (n=2): sampled, so give them some temperature
+    s = pane.session.settings
+    s.sampling.temperature = 1.0
+    s.sampling.seed = 7
+    pane.session.set_settings(s)
+    assert pane.regenerate(original.id, 2)
+    wait_idle(qtbot, pane)
+    siblings = pane.session.tree.siblings(original.id)
+    assert len(siblings) == 3 and all(
+        m.status in (Status.COMPLETE, Status.LENGTH) for m in siblings
+    )
+    assert original.content == siblings[0].content  # the old reply is kept as is
+    shown = last_reply(pane)
+    assert shown.id == siblings[1].id
+    assert pane.session.tree.sibling_position(shown.id) == (1, 3)
+    # click ‹ in the reply's switcher
+    row = pane.model.row_of(shown.id)
+    rect = pane.view.row_geometry(row).actions["prev"]
+    qtbot.mouseClick(pane.view.viewport(), Qt.MouseButton.LeftButton, pos=rect.center())
+    assert last_reply(pane).id == original.id
+    assert harness.store.get_conversation(pane.session.id).active_leaf == original.id
+
+
+def test_edit_and_resend_makes_a_branch_and_keeps_the_old_one(harness, qtbot):
+    pane = _pane_with(harness, greedy(8))
+    pane.send("Say hello.")
+    wait_idle(qtbot, pane)
+    old_user, old_reply = pane.session.active_path()
+    row = pane.model.row_of(old_user.id)
+    edit = pane.view.row_geometry(row).actions["edit"]
+    qtbot.mouseClick(pane.view.viewport(), Qt.MouseButton.LeftButton, pos=edit.center())
+    assert pane.edit_banner.isVisible() and pane.input.toPlainText() == "Say hello."
+    pane.input.setPlainText("Say goodbye.")
+    qtbot.keyClick(pane.input, Qt.Key.Key_Return)
+    wait_idle(qtbot, pane)
+    new_user, new_reply = pane.session.active_path()
+    assert new_user.content == "Say goodbye." and new_user.id != old_user.id
+    assert new_user.parent_id == old_user.parent_id is None  # a sibling: an alternative
+    assert new_reply.content
+    assert pane.session.switch_alternative(new_user.id, -1)
+    assert [m.id for m in pane.session.active_path()] == [old_user.id, old_reply.id]
+
+
+def test_branch_from_a_message_opens_a_new_chat(harness, qtbot):
+    w = harness.window
+    pane = _pane_with(harness, greedy(8, system="You are terse."))
+    pane.send("Count to three.")
+    wait_idle(qtbot, pane)
+    user, reply = pane.session.active_path()
+    row = pane.model.row_of(reply.id)
+    branch = pane.view.row_geometry(row).actions["branch"]
+    qtbot.mouseClick(pane.view.viewport(), Qt.MouseButton.LeftButton, pos=branch.center())
+    assert len(w.panes) == 2
+    new = w.focused_pane
+    assert new is not pane and new.session.id != pane.session.id
+    copied = new.session.active_path()
+    assert [(m.role, m.content) for m in copied] == [(m.role, m.content) for m in (user, reply)]
+    assert new.session.settings.system_prompt == "You are terse."
+    assert pane.session.active_path() == [user, reply]  # the original is untouched
+    new.send("And to four?")
+    wait_idle(qtbot, new)
+    assert len(new.session.active_path()) == 4 and len(pane.session.active_path()) == 2
+
+
+def test_clicking_a_code_blocks_copy_link_copies_the_code(harness, qtbot):
+    code = "def add(a, b):\n    return a + b"
+    w = harness.window
+    conv = harness.store.create_conversation("Code")
+    harness.store.add_message(
+        Message(id="q1", conversation_id=conv.id, parent_id=None, role="user", content="code?")
+    )
+    harness.store.add_message(
+        Message(
+            id="r1",
+            conversation_id=conv.id,
+            parent_id="q1",
+            role="assistant",
+            content=f"Here:\n\n```python\n{code}\n```\n\nDone.",
+        )
+    )
+    pane = w.open_chat(conv.id)
+    QGuiApplication.clipboard().clear()
+    row = pane.model.row_of("r1")
+    rect = pane.view.anchor_rect(row, "copy:0")
+    assert rect is not None
+    assert pane.view.anchor_at(rect.center()) == (row, "copy:0")
+    with qtbot.waitSignal(pane.view.codeCopied, timeout=5000):
+        qtbot.mouseClick(pane.view.viewport(), Qt.MouseButton.LeftButton, pos=rect.center())
+    assert QGuiApplication.clipboard().text() == code
+    # a finished message is rendered once, however often it is painted
+    renders = pane.model.full_renders
+    for _ in range(5):
+        pane.view.viewport().repaint()
+    assert pane.model.full_renders == renders
+
+
+def test_bad_input_shows_a_message_and_loses_nothing(harness, qtbot):
+    pane = _pane_with(harness, greedy(8))
+    before = len(pane.session.tree)
+    pane.input.setPlainText("   ")
+    qtbot.keyClick(pane.input, Qt.Key.Key_Return)
+    assert pane.notice_label.isVisible() and "Type a message" in pane.notice_label.text()
+    assert len(pane.session.tree) == before and pane.input.toPlainText() == "   "
+    # over the context limit: the engine refuses with a clear error, the prompt is kept
+    huge = "hello " * 9000
+    pane.input.setPlainText(huge)
+    qtbot.keyClick(pane.input, Qt.Key.Key_Return)
+    wait_idle(qtbot, pane)
+    user, reply = pane.session.active_path()
+    assert user.content == huge and harness.store.get_message(user.id).content == huge
+    assert reply.status == Status.ERROR and "context limit" in reply.meta["error"]
+    assert pane.notice_label.isVisible() and "context limit" in pane.notice_label.text()
+    # the chat still works afterwards (edit the long message into a short one)
+    assert pane.session.edit_and_resend(user.id, "Hi!")
+    wait_idle(qtbot, pane)
+    assert last_reply(pane).status in (Status.COMPLETE, Status.LENGTH)
+
+
+def test_send_to_all_reaches_every_pane(harness, qtbot):
+    w = harness.window
+    panes = [_pane_with(harness, greedy(6))]
+    for _ in range(2):
+        p = w.new_chat(new_pane=True)
+        p.session.set_settings(greedy(6))
+        panes.append(p)
+    w.toggle_compare(True)
+    assert w.compare_bar.isVisible()
+    w.compare_bar.input.setPlainText("Say yes.")
+    qtbot.keyClick(w.compare_bar.input, Qt.Key.Key_Return)
+    assert all(p.session.busy for p in panes)
+    assert w.compare_bar.input.toPlainText() == ""
+    wait_idle(qtbot, *panes)
+    assert all(p.session.active_path()[0].content == "Say yes." for p in panes)
+    # Ctrl+1..3 focus the panes
+    qtbot.keyClick(w, Qt.Key.Key_2, Qt.KeyboardModifier.ControlModifier)
+    assert w.focused_pane is panes[1]
+    _ = QPoint
