@@ -16,7 +16,7 @@ token's K/V goes to. Three things make the pool go further than one rectangle pe
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,7 +37,8 @@ class BlockTable:
     blocks: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
-    hashes: list[int] = field(default_factory=list)  # chain hash of each full computed block
+    hashes: list[int] = field(default_factory=list)  # chain hash of each full block
+    named: int = 0  # leading full blocks already offered to the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +72,9 @@ class BlockAllocator:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[int, int] = {}
+        # Full blocks whose slots are reserved but not yet computed, by content hash: a prompt
+        # that would reuse them waits one step instead of computing them a second time.
+        self._pending: Counter[int] = Counter()
         self.prefix_hits = 0  # full blocks reused from the cache
         self.prefix_queries = 0  # full prompt blocks looked up
 
@@ -97,18 +101,18 @@ class BlockAllocator:
 
     # ---- prefix cache -----------------------------------------------------------------------
 
-    def reuse_prefix(self, table: BlockTable, prompt: Sequence[int]) -> int:
+    def reuse_prefix(self, table: BlockTable, prompt: Sequence[int], count: bool = True) -> int:
         """Attach the cached blocks of the longest full-block prefix of ``prompt`` to an empty
         table and return how many prompt tokens they cover.
 
         The last prompt token is never taken from the cache: the model must run on at least
-        one token to produce the next token's logits.
+        one token to produce the next token's logits. ``count`` records the lookup in the
+        hit-rate counters (a caller that may undo the reuse records it itself).
         """
         if table.blocks:
             raise ValueError("reuse_prefix needs an empty block table")
         bs = self.block_size
         eligible = (len(prompt) - 1) // bs
-        self.prefix_queries += eligible
         parent: int | None = None
         for i in range(eligible):
             chunk = tuple(prompt[i * bs : (i + 1) * bs])
@@ -116,15 +120,32 @@ class BlockAllocator:
             block = self._by_hash.get(h)
             if block is None or self._tokens[block] != chunk:
                 break
-            self.prefix_hits += 1
             self._evictable.pop(block, None)
             self._hold(block, table.owner)
             table.blocks.append(block)
             table.tokens.extend(chunk)
             table.hashes.append(h)
             parent = h
+        table.named = len(table.hashes)
         table.num_computed = table.num_tokens
+        if count:
+            self.record_prefix_lookup(table, prompt)
         return table.num_computed
+
+    def record_prefix_lookup(self, table: BlockTable, prompt: Sequence[int]) -> None:
+        """Count a prompt's full blocks as prefix-cache queries and its reused ones as hits."""
+        self.prefix_queries += (len(prompt) - 1) // self.block_size
+        self.prefix_hits += len(table.blocks)
+
+    def prefix_pending(self, table: BlockTable, prompt: Sequence[int]) -> bool:
+        """True if the block that would follow ``table``'s reused prefix is being computed
+        right now by another sequence (same content): waiting one step shares it."""
+        bs = self.block_size
+        i = len(table.hashes)
+        if (i + 1) * bs > len(prompt) - 1:
+            return False
+        parent = table.hashes[-1] if table.hashes else None
+        return _chain_hash(parent, prompt[i * bs : (i + 1) * bs]) in self._pending
 
     # ---- growth -----------------------------------------------------------------------------
 
@@ -162,24 +183,27 @@ class BlockAllocator:
             self._fill[block] = offset + take
             table.tokens.extend(piece)
             pos += take
+        parent = table.hashes[-1] if table.hashes else None
+        for i in range(len(table.hashes), table.num_tokens // bs):
+            parent = _chain_hash(parent, table.tokens[i * bs : (i + 1) * bs])
+            table.hashes.append(parent)
+            self._pending[parent] += 1
         return AppendResult(slots, copies)
 
     def mark_computed(self, table: BlockTable) -> None:
         """Record that every reserved slot of ``table`` now holds its K/V, and name each newly
         full block in the prefix cache."""
-        bs = self.block_size
         table.num_computed = table.num_tokens
-        parent = table.hashes[-1] if table.hashes else None
-        for i in range(len(table.hashes), table.num_tokens // bs):
-            h = _chain_hash(parent, table.tokens[i * bs : (i + 1) * bs])
-            table.hashes.append(h)
+        for i in range(table.named, len(table.hashes)):
+            h = table.hashes[i]
+            self._unpend(h)
             block = table.blocks[i]
             # A block with the same content may already be cached (two chats computed the
             # same prefix at once): keep that one named; this one stays private.
             if self._hash[block] is None and h not in self._by_hash:
                 self._hash[block] = h
                 self._by_hash[h] = block
-            parent = h
+        table.named = len(table.hashes)
 
     # ---- sharing ----------------------------------------------------------------------------
 
@@ -191,19 +215,25 @@ class BlockAllocator:
             tokens=list(table.tokens),
             num_computed=table.num_computed,
             hashes=list(table.hashes),
+            named=table.named,
         )
+        for h in child.hashes[child.named :]:
+            self._pending[h] += 1
         for block in child.blocks:
             self._hold(block, child.owner)
         return child
 
     def free(self, table: BlockTable) -> None:
         """Release every block of ``table``; cached (hashed) blocks stay reusable in the LRU."""
+        for h in table.hashes[table.named :]:
+            self._unpend(h)
         for block in reversed(table.blocks):
             self._release(block, table.owner)
         table.blocks.clear()
         table.tokens.clear()
         table.num_computed = 0
         table.hashes.clear()
+        table.named = 0
 
     # ---- introspection (snapshots, tests) ---------------------------------------------------
 
@@ -242,6 +272,12 @@ class BlockAllocator:
                 expect = tuple(t.tokens[i * self.block_size : (i + 1) * self.block_size])
                 assert self._tokens[block] == expect, f"block {block} content mismatch"
         assert counts == self._refcount, "refcounts differ from the tables holding blocks"
+        pending: Counter[int] = Counter()
+        for t in tables:
+            assert len(t.hashes) == t.num_tokens // self.block_size, "missing block hashes"
+            assert t.named <= len(t.hashes)
+            pending.update(t.hashes[t.named :])
+        assert pending == self._pending, "pending-block index differs from the tables"
         free = set(self._free)
         assert len(free) == len(self._free), "free list holds a block twice"
         evictable = set(self._evictable)
@@ -261,6 +297,11 @@ class BlockAllocator:
             assert self._fill[block] == self.block_size, f"cached block {block} is not full"
 
     # ---- internals --------------------------------------------------------------------------
+
+    def _unpend(self, h: int) -> None:
+        self._pending[h] -= 1
+        if not self._pending[h]:
+            del self._pending[h]
 
     def _take_block(self) -> int:
         if self._free:

@@ -108,19 +108,24 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= n
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_batch:
+                break
             if len(seq.tokens) > self.capacity_tokens - 1:
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 plan.failed.append((seq, self._too_long_message(len(seq.tokens))))
                 continue
             table = BlockTable(owner=seq.session_id)
-            cached = self.alloc.reuse_prefix(table, seq.tokens)
+            cached = self.alloc.reuse_prefix(table, seq.tokens, count=False)
+            if self.alloc.prefix_pending(table, seq.tokens):
+                self.alloc.free(table)  # its next blocks are being computed: share them next step
+                continue
             n = min(budget, len(seq.tokens) - cached, self._tokens_that_fit(table))
             if n < 1:
                 self.alloc.free(table)
                 break
-            self.waiting.popleft()
+            self.alloc.record_prefix_lookup(table, seq.tokens)
+            self.waiting.remove(seq)
             seq.table = table
             seq.admitted_at = self.steps
             if seq.state is SequenceState.WAITING and seq.num_generated == 0:
