@@ -261,9 +261,7 @@ def run_plan(plan: list[Launch]) -> list[list[mx.array]]:
     """Execute a plan with the Metal backend; returns every launch's outputs."""
     results: list[list[mx.array]] = []
     for launch in plan:
-        inputs = [
-            results[x.launch][x.output] if isinstance(x, Ref) else x for x in launch.inputs
-        ]
+        inputs = [results[x.launch][x.output] if isinstance(x, Ref) else x for x in launch.inputs]
         outputs = kernel_object(launch.kernel)(
             inputs=inputs,
             template=list(launch.template),

@@ -39,7 +39,7 @@ LINKER_SCRIPT = HERE / "tg.ld"
 BUILD_DIR = HERE.parent / ".kernel_build"
 CXX = os.environ.get("CXX", "g++")
 CXXFLAGS = ("-std=c++20", "-O2", "-pthread")
-KERNEL_FLAGS = ("-Wno-attributes", "-Wno-unknown-pragmas")
+KERNEL_FLAGS = ("-Wno-attributes", "-Wno-unknown-pragmas", "-fdata-sections")
 RUN_TIMEOUT_S = 300.0
 
 # mx.fast.metal_kernel's attribute table (name, type), in MLX's order.
@@ -139,8 +139,9 @@ class Buffer:
 def shape_infos(kernel: KernelSource) -> list[tuple[bool, bool, bool]]:
     """MLX: a ``name_shape``/``_strides``/``_ndim`` buffer exists if the body mentions it."""
     src = kernel.source
-    return [(f"{n}_shape" in src, f"{n}_strides" in src, f"{n}_ndim" in src)
-            for n in kernel.input_names]
+    return [
+        (f"{n}_shape" in src, f"{n}_strides" in src, f"{n}_ndim" in src) for n in kernel.input_names
+    ]
 
 
 def attributes(kernel: KernelSource) -> list[tuple[str, str]]:
@@ -173,8 +174,13 @@ def mlx_source(kernel: KernelSource, inputs: list[ArgSpec], output_dtypes, templ
     if template:
         kinds = []
         for name, value in template:
-            kind = "bool" if isinstance(value, bool) else "int" if isinstance(value, int) else (
-                "typename")
+            kind = (
+                "bool"
+                if isinstance(value, bool)
+                else "int"
+                if isinstance(value, int)
+                else ("typename")
+            )
             kinds.append(f"{kind} {name}")
         out.append("template <" + ", ".join(kinds) + ">\n")
     out.append(f"[[kernel]] void {kname}(\n")
@@ -208,9 +214,7 @@ def mlx_source(kernel: KernelSource, inputs: list[ArgSpec], output_dtypes, templ
     out.append("\n}\n")
     if template:
         tdef = kname + template_def(template)
-        out.append(
-            f'\ntemplate [[host_name("{kname}")]] [[kernel]] decltype({tdef}) {tdef};\n'
-        )
+        out.append(f'\ntemplate [[host_name("{kname}")]] [[kernel]] decltype({tdef}) {tdef};\n')
     return "".join(out)
 
 
@@ -283,8 +287,9 @@ def _compile(cmd: list[str], out: Path) -> None:
 
 @lru_cache(maxsize=4)
 def runtime_object(extra_flags: tuple[str, ...] = ()) -> Path:
-    key = _digest(HEADER.read_bytes(), RUNTIME.read_bytes(), _toolchain_id(), *CXXFLAGS,
-                  *extra_flags)
+    key = _digest(
+        HEADER.read_bytes(), RUNTIME.read_bytes(), _toolchain_id(), *CXXFLAGS, *extra_flags
+    )
     obj = BUILD_DIR / "runtime" / f"metal_emu_runtime-{key}.o"
     if not obj.exists():
         _compile([CXX, *CXXFLAGS, *extra_flags, "-I", str(HERE), "-c", str(RUNTIME)], obj)
@@ -294,8 +299,14 @@ def runtime_object(extra_flags: tuple[str, ...] = ()) -> Path:
 def build(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile an emulator program (cached by content); returns the executable."""
     rt = runtime_object(extra_flags)
-    key = _digest(source, HEADER.read_bytes(), LINKER_SCRIPT.read_bytes(), rt.name,
-                  *KERNEL_FLAGS, *extra_flags)
+    key = _digest(
+        source,
+        HEADER.read_bytes(),
+        LINKER_SCRIPT.read_bytes(),
+        rt.name,
+        *KERNEL_FLAGS,
+        *extra_flags,
+    )
     exe = BUILD_DIR / "bin" / f"kernel-{key}"
     if exe.exists():
         return exe
@@ -303,8 +314,20 @@ def build(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
     src.parent.mkdir(parents=True, exist_ok=True)
     if not src.exists():
         src.write_text(source)
-    _compile([CXX, *CXXFLAGS, *KERNEL_FLAGS, *extra_flags, "-I", str(HERE), str(src), str(rt),
-              *_linker_flags()], exe)
+    _compile(
+        [
+            CXX,
+            *CXXFLAGS,
+            *KERNEL_FLAGS,
+            *extra_flags,
+            "-I",
+            str(HERE),
+            str(src),
+            str(rt),
+            *_linker_flags(),
+        ],
+        exe,
+    )
     return exe
 
 
@@ -349,8 +372,7 @@ def run_launch(
     or "free" (simdgroup threads run concurrently)."""
     kernel = launch.kernel
     specs = [ArgSpec(a.dtype, tuple(a.shape)) for a in inputs]
-    exe = build(emulator_source(kernel, specs, launch.output_dtypes, launch.template),
-                extra_flags)
+    exe = build(emulator_source(kernel, specs, launch.output_dtypes, launch.template), extra_flags)
     buffers = buffer_list(kernel, specs, launch.output_dtypes)
     with tempfile.TemporaryDirectory(prefix="metal_emu_") as tmp:
         lines = [
@@ -364,7 +386,8 @@ def run_launch(
             if buf.kind == "output":
                 shape = launch.output_shapes[buf.arg]
                 nbytes = int(np.prod(shape, dtype=np.int64)) * _itemsize(
-                    launch.output_dtypes[buf.arg])
+                    launch.output_dtypes[buf.arg]
+                )
                 lines.append(f"out {nbytes} {path}")
                 out_paths.append((path, shape, launch.output_dtypes[buf.arg]))
                 continue
@@ -383,11 +406,13 @@ def run_launch(
         launch_file = Path(tmp) / "launch.txt"
         launch_file.write_text("\n".join(lines) + "\n")
         try:
-            proc = subprocess.run([str(exe), str(launch_file)], capture_output=True, text=True,
-                                  timeout=RUN_TIMEOUT_S)
+            proc = subprocess.run(
+                [str(exe), str(launch_file)], capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+            )
         except subprocess.TimeoutExpired as e:
-            raise EmulatorError(f"{kernel.name}: timed out after {RUN_TIMEOUT_S:.0f} s "
-                                "(deadlock?)") from e
+            raise EmulatorError(
+                f"{kernel.name}: timed out after {RUN_TIMEOUT_S:.0f} s (deadlock?)"
+            ) from e
         if proc.returncode != 0:
             raise EmulatorError(f"{kernel.name}: {_describe_crash(proc.returncode, proc.stderr)}")
         outputs = [from_bytes(p.read_bytes(), shape, dtype) for p, shape, dtype in out_paths]
@@ -402,8 +427,9 @@ def resolve_inputs(launch: Launch, results: list[list[mx.array]]) -> list[mx.arr
     return [results[x.launch][x.output] if isinstance(x, Ref) else x for x in launch.inputs]
 
 
-def run_plan(plan: list[Launch], *, mode: str = "ordered",
-             extra_flags: tuple[str, ...] = ()) -> list[list[mx.array]]:
+def run_plan(
+    plan: list[Launch], *, mode: str = "ordered", extra_flags: tuple[str, ...] = ()
+) -> list[list[mx.array]]:
     """Execute a launch plan (``engine.kernels.plan_decode``) in the emulator; returns every
     launch's outputs, like ``engine.kernels.run_plan`` on a Mac."""
     results: list[list[mx.array]] = []
@@ -422,10 +448,13 @@ def plan_sources(plan: list[Launch]) -> list[str]:
             shapes[x.launch][x.output] if isinstance(x, Ref) else ArgSpec(x.dtype, tuple(x.shape))
             for x in launch.inputs
         ]
-        shapes.append([ArgSpec(d, tuple(s)) for s, d in
-                       zip(launch.output_shapes, launch.output_dtypes, strict=True)])
-        sources.append(emulator_source(launch.kernel, specs, launch.output_dtypes,
-                                       launch.template))
+        shapes.append(
+            [
+                ArgSpec(d, tuple(s))
+                for s, d in zip(launch.output_shapes, launch.output_dtypes, strict=True)
+            ]
+        )
+        sources.append(emulator_source(launch.kernel, specs, launch.output_dtypes, launch.template))
     return sources
 
 
