@@ -18,12 +18,13 @@
 //             NSG (simdgroups per threadgroup), PART (tokens per partition; 0 = whole sequence)
 //   grid (32 * NSG * P, KVH, B), threadgroup (32 * NSG, 1, 1): one threadgroup per
 //   (sequence, KV head, partition) serves all G query heads of that KV head, so every K/V byte
-//   is read once. Lanes split head_dim (element d = i * 32 + lane), so q.k is one simd_sum.
+//   is read once. Lanes split head_dim (lane holds the contiguous elements lane * EPL + i, so
+//   its loads can be merged into wide ones), and q.k is one simd_sum.
 //   Simdgroups take the partition's blocks round-robin, keep an fp32 online softmax per head,
 //   and are merged through threadgroup memory at the end.
 constexpr int SIMD = 32;
 constexpr int EPL = (D + SIMD - 1) / SIMD;  // head-dim elements per lane
-constexpr bool FULL_LANES = D % SIMD == 0;
+constexpr bool FULL_LANES = D == EPL * SIMD;  // no lane holds elements past D
 constexpr float NEG = -1.0e30f;  // finite "minus infinity": no inf arithmetic under fast math
 static_assert(BS >= 1 && BS <= SIMD, "block size: at most one token per lane");
 static_assert(PART % BS == 0, "a partition holds whole blocks");
@@ -56,7 +57,7 @@ float qv[G][EPL];
 for (int g = 0; g < G; ++g) {
   auto qh = q + (size_t(b) * H + size_t(kvh) * G + g) * D;
   for (int i = 0; i < EPL; ++i) {
-    const int d = i * SIMD + lane;
+    const int d = lane * EPL + i;
     qv[g][i] = (FULL_LANES || d < D) ? float(qh[d]) * scale : 0.0f;
   }
 }
@@ -74,8 +75,8 @@ for (int g = 0; g < G; ++g) {
 
 const size_t tok_stride = size_t(KVH) * D;  // elements between two slots of a block
 const size_t blk_stride = size_t(BS) * tok_stride;
-auto k_head = k_pool + size_t(kvh) * D + lane;
-auto v_head = v_pool + size_t(kvh) * D + lane;
+auto k_head = k_pool + size_t(kvh) * D + lane * EPL;
+auto v_head = v_pool + size_t(kvh) * D + lane * EPL;
 auto table = block_tables + size_t(b) * MB;
 
 for (int base = blk_begin + sg; base < blk_end; base += SIMD * NSG) {
@@ -99,7 +100,7 @@ for (int base = blk_begin + sg; base < blk_end; base += SIMD * NSG) {
     for (int t = 0; t < ntok; ++t) {
       float kr[EPL];
       for (int i = 0; i < EPL; ++i) {
-        kr[i] = (FULL_LANES || i * SIMD + lane < D) ? float(kb[t * tok_stride + i * SIMD]) : 0.0f;
+        kr[i] = (FULL_LANES || lane * EPL + i < D) ? float(kb[t * tok_stride + i]) : 0.0f;
       }
       for (int g = 0; g < G; ++g) {
         float qk = 0.0f;
@@ -127,7 +128,7 @@ for (int base = blk_begin + sg; base < blk_end; base += SIMD * NSG) {
     for (int t = 0; t < ntok; ++t) {
       float vr[EPL];
       for (int i = 0; i < EPL; ++i) {
-        vr[i] = (FULL_LANES || i * SIMD + lane < D) ? float(vb[t * tok_stride + i * SIMD]) : 0.0f;
+        vr[i] = (FULL_LANES || lane * EPL + i < D) ? float(vb[t * tok_stride + i]) : 0.0f;
       }
       for (int g = 0; g < G; ++g) {
         const float pt = simd_shuffle(s[g], ushort(t));
@@ -146,7 +147,7 @@ if (NSG == 1) {
     const size_t row = row0 + size_t(g) * num_parts;
     const float inv = 1.0f / l[g];
     for (int i = 0; i < EPL; ++i) {
-      const int d = i * SIMD + lane;
+      const int d = lane * EPL + i;
       if (FULL_LANES || d < D) {
         out[row * D + d] = static_cast<O>(acc[g][i] * inv);
       }
@@ -166,7 +167,7 @@ for (int g = 0; g < G; ++g) {
     tg_ml[(sg * G + g) * 2 + 1] = l[g];
   }
   for (int i = 0; i < EPL; ++i) {
-    const int d = i * SIMD + lane;
+    const int d = lane * EPL + i;
     if (FULL_LANES || d < D) {
       tg_acc[(sg * G + g) * D + d] = acc[g][i];
     }
