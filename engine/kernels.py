@@ -88,6 +88,18 @@ def shader_sources() -> dict[str, KernelSource]:
     return parse_shader(SHADER_PATH.read_text())
 
 
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> bool:
+    """Whether the decode kernel handles this attention shape (else use the reference path)."""
+    return (
+        head_dim in HEAD_DIMS
+        and block_size in BLOCK_SIZES
+        and dtype in DTYPES
+        and num_kv_heads > 0
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+    )
+
+
 @dataclass(frozen=True)
 class DecodeGeometry:
     simdgroups: int  # per threadgroup

@@ -439,6 +439,15 @@ def test_geometry_splits_only_when_the_gpu_is_underfilled():
     assert kernels.decode_geometry(4, 2, 1, 64, 16, 1).simdgroups == 1
 
 
+def test_supports_matches_the_template_set():
+    assert kernels.supports(32, 8, 128, 16, mx.float16)
+    assert kernels.supports(9, 3, 64, 16, mx.bfloat16)  # SmolLM2-135M
+    assert not kernels.supports(32, 8, 256, 16, mx.float16)  # head dim
+    assert not kernels.supports(32, 8, 128, 64, mx.float16)  # block size
+    assert not kernels.supports(12, 8, 128, 16, mx.float16)  # not a whole group
+    assert not kernels.supports(64, 2, 128, 16, mx.float16)  # group of 32 > MAX_GROUP
+
+
 def test_plan_single_pass_has_no_reduce_and_split_has_one():
     inp = make_inputs(CASES[0])
     args = (inp.q, inp.k_pool, inp.v_pool, inp.block_tables, inp.context_lens, inp.scale)

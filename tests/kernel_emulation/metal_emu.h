@@ -25,7 +25,10 @@
 // RACE EXPOSURE (deterministic)
 // * Threadgroup memory is poisoned (every byte 0xFF: NaN for float/half/bfloat, -1 for ints)
 //   before each threadgroup. The poisoned range comes from a linker script (tg.ld) that gathers
-//   the kernel's function-local statics (= its threadgroup arrays) between two symbols.
+//   the kernel's function-local statics (= its threadgroup arrays; kernels are compiled with
+//   -fdata-sections so each has its own section) between two symbols; its size is checked
+//   against the 32 KiB limit. (g++ may drop a threadgroup array that is never read across a
+//   barrier: it cannot be shared then anyway.)
 // * Ordered mode (default): between two threadgroup barriers, simdgroups run one at a time in
 //   a fixed order, ascending on even threadgroups and descending on odd ones (a turnstile on
 //   top of the real barrier). A read of another simdgroup's threadgroup-memory write that is not
@@ -39,8 +42,12 @@
 //   buffer's index); reads before the start are only caught when they leave the page.
 //
 // CHECKED (the run fails with "metal_emu: error: ..." on stderr and exit code 3)
-// * lanes of a simdgroup reaching different simd ops / barriers (divergent collective), and
-//   simdgroups waiting at different threadgroup_barrier calls;
+// * the running lanes of a simdgroup reaching different simd functions or barriers (by source
+//   location), and simdgroups waiting at different threadgroup_barrier calls. For barriers that
+//   is undefined behaviour in Metal; for simd functions inside divergent branches Metal defines
+//   the result over the active lanes, which this emulator does NOT model (it reports it):
+//   kernels must call simd functions in simdgroup-uniform control flow (lanes that returned
+//   are fine: they are inactive);
 // * a threadgroup_barrier reached after some threads of the threadgroup returned;
 // * more than 32 KiB of threadgroup memory, more than 1024 threads per threadgroup.
 //
@@ -64,6 +71,9 @@
 //   fma, clamp, abs, select, ...), metal::fast:: and metal::precise:: (all computed precisely).
 //
 // NOT MODELLED
+// * address spaces are erased: passing a `constant` pointer where a `device` one is declared
+//   compiles here but not on Metal (MLX puts inputs of fewer than 8 elements in `constant`;
+//   declare derived pointers `auto`). Only the Metal compiler (a Mac) checks this;
 // * memory-flag scopes (every barrier orders all memory), atomics, textures, quad-group and
 //   simdgroup-matrix functions (using them does not compile here), function constants;
 // * races between threadgroups (they run one at a time), device-memory coherence, GPU timing;
