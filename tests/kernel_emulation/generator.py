@@ -1,8 +1,8 @@
 """Run ``mx.fast.metal_kernel`` launches on the CPU: generate, compile (g++) and execute.
 
 For each launch the generator writes the source text MLX itself would hand to the Metal
-compiler (``write_signature`` and the explicit template instantiation of MLX 0.32's
-``mlx/backend/metal/custom_kernel.cpp``, mirrored here, including the substring rules that
+compiler (``write_signature``, the kernel name and the explicit template instantiation of
+MLX's ``metal_kernel`` as of the 0.32 line, mirrored here, including the substring rules that
 decide which ``*_shape`` / ``*_strides`` / ``*_ndim`` buffers and which attributes appear),
 with ``#include "metal_emu.h"`` in place of MLX's Metal preamble. A small entry function then
 calls the kernel once per emulated thread and ``main`` hands control to the runtime
@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -105,12 +106,21 @@ def template_def(template) -> str:
     return "<" + ", ".join(template_value(v) for _, v in template) + ">"
 
 
-def kernel_name(name: str, template) -> str:
-    """``custom_kernel_<name>`` plus MLX's sanitised template suffix."""
+def kernel_name(name: str, template, inputs: list[ArgSpec], output_dtypes) -> str:
+    """``custom_kernel_<name>``, MLX's sanitised template suffix, then one ``_<type>`` per input
+    (``s`` suffix for 0-d, ``c`` for the constant address space) and per output."""
     kname = "custom_kernel_" + name
     if template:
         suffix = re.sub(r"<|>|(, )", "_", template_def(template))[:-1]
         kname += "_" + suffix
+    for arg in inputs:
+        kname += "_" + type_string(arg.dtype)
+        if len(arg.shape) == 0:
+            kname += "s"
+        elif arg.size < MAX_CONSTANT_ARRAY_SIZE:
+            kname += "c"
+    for dtype in output_dtypes:
+        kname += "_" + type_string(dtype)
     return kname
 
 
@@ -169,7 +179,7 @@ def buffer_list(kernel: KernelSource, inputs: list[ArgSpec], output_dtypes) -> l
 def mlx_source(kernel: KernelSource, inputs: list[ArgSpec], output_dtypes, template) -> str:
     """The text MLX 0.32 generates for this call (after its preamble): header, signature, body
     and explicit instantiation."""
-    kname = kernel_name(kernel.name, template)
+    kname = kernel_name(kernel.name, template, inputs, output_dtypes)
     out = [kernel.header]
     if template:
         kinds = []
@@ -220,7 +230,7 @@ def mlx_source(kernel: KernelSource, inputs: list[ArgSpec], output_dtypes, templ
 
 def emulator_source(kernel: KernelSource, inputs: list[ArgSpec], output_dtypes, template) -> str:
     """A complete C++ program: the MLX-generated text plus an entry point for the runtime."""
-    kname = kernel_name(kernel.name, template)
+    kname = kernel_name(kernel.name, template, inputs, output_dtypes)
     call = kname + (template_def(template) if template else "")
     buffers = buffer_list(kernel, inputs, output_dtypes)
     args = []
@@ -277,7 +287,7 @@ def _linker_flags() -> list[str]:
 def _compile(cmd: list[str], out: Path) -> None:
     """Run a compiler command writing ``out`` atomically (parallel builds may race)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.{id(cmd)}.tmp")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     proc = subprocess.run([*cmd, "-o", str(tmp)], capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -313,7 +323,9 @@ def build(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
     src = BUILD_DIR / "src" / f"kernel-{key}.cpp"
     src.parent.mkdir(parents=True, exist_ok=True)
     if not src.exists():
-        src.write_text(source)
+        tmp = src.with_name(f"{src.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(source)
+        os.replace(tmp, src)  # another process may be writing the same file
     _compile(
         [
             CXX,
