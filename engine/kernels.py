@@ -209,6 +209,10 @@ def plan_decode(
         context_lens = context_lens.astype(mx.int32)
 
     group = num_heads // num_kv_heads
+    if simdgroups is not None and (
+        simdgroups not in (1, 2, 4, 8) or simdgroups * group * (head_dim + 2) * 4 > 32768
+    ):
+        raise ValueError(f"{simdgroups} simdgroups do not fit a threadgroup for this shape")
     geo = decode_geometry(
         batch, num_kv_heads, group, head_dim, block_size, block_tables.shape[1], split, simdgroups
     )

@@ -97,18 +97,22 @@ for (int base = blk_begin + sg; base < blk_end; base += SIMD * NSG) {
     for (int g = 0; g < G; ++g) {
       s[g] = NEG;
     }
-    for (int t = 0; t < ntok; ++t) {
-      float kr[EPL];
-      for (int i = 0; i < EPL; ++i) {
-        kr[i] = (FULL_LANES || lane * EPL + i < D) ? float(kb[t * tok_stride + i]) : 0.0f;
-      }
-      for (int g = 0; g < G; ++g) {
-        float qk = 0.0f;
+    // Constant trip count (unrollable: the loads of a block can be in flight together); the
+    // guard is uniform over the simdgroup.
+    for (int t = 0; t < BS; ++t) {
+      if (t < ntok) {
+        float kr[EPL];
         for (int i = 0; i < EPL; ++i) {
-          qk += qv[g][i] * kr[i];
+          kr[i] = (FULL_LANES || lane * EPL + i < D) ? float(kb[t * tok_stride + i]) : 0.0f;
         }
-        qk = simd_sum(qk);
-        s[g] = lane == t ? qk : s[g];
+        for (int g = 0; g < G; ++g) {
+          float qk = 0.0f;
+          for (int i = 0; i < EPL; ++i) {
+            qk += qv[g][i] * kr[i];
+          }
+          qk = simd_sum(qk);
+          s[g] = lane == t ? qk : s[g];
+        }
       }
     }
 
@@ -125,15 +129,17 @@ for (int base = blk_begin + sg; base < blk_end; base += SIMD * NSG) {
       s[g] = p;
     }
 
-    for (int t = 0; t < ntok; ++t) {
-      float vr[EPL];
-      for (int i = 0; i < EPL; ++i) {
-        vr[i] = (FULL_LANES || lane * EPL + i < D) ? float(vb[t * tok_stride + i]) : 0.0f;
-      }
-      for (int g = 0; g < G; ++g) {
-        const float pt = simd_shuffle(s[g], ushort(t));
+    for (int t = 0; t < BS; ++t) {
+      if (t < ntok) {
+        float vr[EPL];
         for (int i = 0; i < EPL; ++i) {
-          acc[g][i] += pt * vr[i];
+          vr[i] = (FULL_LANES || lane * EPL + i < D) ? float(vb[t * tok_stride + i]) : 0.0f;
+        }
+        for (int g = 0; g < G; ++g) {
+          const float pt = simd_shuffle(s[g], ushort(t));
+          for (int i = 0; i < EPL; ++i) {
+            acc[g][i] += pt * vr[i];
+          }
         }
       }
     }

@@ -52,7 +52,8 @@ class Case:
 
 
 # A covering design over the axes (full cross product would be 180 builds): every GQA ratio,
-# head dim, block size, dtype, single/multi-partition and 1/2/4 simdgroups appears, most pairs.
+# head dim, block size, dtype, single/multi-partition and 1/2/4/8 simdgroups appears; each GQA
+# ratio meets both head dims 64/128 and both modes, each block size and dtype both modes.
 CASES = [
     Case(1, 2, 64, 16, mx.float32, split=False),
     Case(3, 1, 128, 8, mx.float16, split=True),
@@ -66,6 +67,7 @@ CASES = [
     Case(7, 1, 64, 8, mx.float16, split=False, simdgroups=1),
     Case(3, 1, 80, 16, mx.float16, split=True),  # head dim not a multiple of 32
     Case(4, 1, 96, 32, mx.float32, split=False, simdgroups=2),
+    Case(4, 1, 64, 16, mx.float16, split=True, simdgroups=8),  # widest threadgroup (256)
 ]
 
 # The planted-bug case: split (both kernels) with 2 simdgroups (threadgroup merge).
