@@ -23,7 +23,7 @@ class Harness:
     def close(self) -> None:
         self.window.shutdown_chats()
         self.window.close()
-        self.window.deleteLater()
+        self.bridge.shutdown()  # stops polling; never stops an engine it does not own
         self.store.close()
 
 

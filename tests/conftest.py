@@ -6,8 +6,12 @@ from __future__ import annotations
 import os
 
 # ---- app (PySide6) fixtures ---------------------------------------------------------------
-# Qt tests run without a display unless the caller chose a platform (e.g. xvfb-run).
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# Qt tests run without a display unless the caller chose a platform (e.g. xvfb-run); the
+# offscreen screen is made 1920x1200 (its default, 800x800, clamps restored window sizes).
+os.environ.setdefault(
+    "QT_QPA_PLATFORM",
+    "offscreen:configfile=" + os.path.join(os.path.dirname(__file__), "offscreen_screen.json"),
+)
 
 import pytest  # noqa: E402
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from PySide6.QtCore import QPoint, Qt
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 
 from app.records import Message, Status
@@ -243,4 +243,3 @@ def test_send_to_all_reaches_every_pane(harness, qtbot):
     # Ctrl+1..3 focus the panes
     qtbot.keyClick(w, Qt.Key.Key_2, Qt.KeyboardModifier.ControlModifier)
     assert w.focused_pane is panes[1]
-    _ = QPoint

@@ -254,6 +254,7 @@ class ChatPane(QFrame):
     def send(self, text: str) -> bool:
         """Send `text` as the user (what Enter does); returns whether it was accepted."""
         assert self.session is not None
+        self.notice_label.hide()  # an old notice; a new one may come from this send
         if self._editing is not None:
             mid, self._editing = self._editing, None
             self.edit_banner.hide()
@@ -262,7 +263,6 @@ class ChatPane(QFrame):
             ok = self.session.send(text)
         if ok:
             self.input.clear()
-            self.notice_label.hide()
             self.view.scrollToBottom()
         return ok
 

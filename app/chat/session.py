@@ -163,7 +163,8 @@ class ChatSession(QObject):
             return False
         old = self.tree.get(message_id)
         user = self._new_message(old.parent_id, "user", text, Status.COMPLETE)
-        return self._reply(user.id, n=1)
+        self._reply(user.id, n=1)  # on failure the reply shows the error; the text is kept
+        return True
 
     def switch_alternative(self, message_id: str, delta: int) -> bool:
         new, changes = self.tree.switch(message_id, delta)
