@@ -188,6 +188,12 @@ class Engine:
             return 0
         return len(self._apply_template(list(messages)))
 
+    def encode_chat(self, messages: Seq[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids the engine would feed for ``messages`` (needs the model loaded)."""
+        if self._loaded is None:
+            raise RuntimeError("the model is not loaded yet")
+        return self._apply_template(list(messages), add_generation_prompt)
+
     def decode(self, token_ids: Seq[int]) -> str:
         if self._loaded is None:
             return ""
@@ -335,12 +341,13 @@ class Engine:
         self._known_sessions.pop(item.session_id, None)
         self._session_rates.pop(item.session_id, None)
 
-    def _apply_template(self, messages: list[dict]) -> list[int]:
+    def _apply_template(self, messages: list[dict], add_generation_prompt: bool = True):
         tokenizer = self._loaded.tokenizer
         if getattr(tokenizer, "chat_template", None):
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
-        return list(tokenizer.encode(text))
+            return list(tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt))
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+        return list(tokenizer.encode(text + ("\nassistant:" if add_generation_prompt else "")))
 
     # ---- one step ---------------------------------------------------------------------------
 
