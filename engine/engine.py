@@ -36,7 +36,14 @@ from engine.events import (
 )
 from engine.handle import RequestHandle
 from engine.kv_pool import KVPool, blocks_for_budget
-from engine.model_adapter import PagedModel, SequenceWork, build_step_batch, probe_kv_shape
+from engine.model_adapter import (
+    PROVEN_ARCHITECTURES,
+    PagedModel,
+    SequenceWork,
+    build_step_batch,
+    check_paged_matches,
+    probe_kv_shape,
+)
 from engine.models import LoadedModel, ModelLoadError, load_model
 from engine.sampling import new_key, sample_next
 from engine.scheduler import ScheduledWork, Scheduler, StepPlan
@@ -237,6 +244,8 @@ class Engine:
         use_kernel = cfg.attention == "kernel" or (
             cfg.attention == "auto" and attention.kernel_available()
         )
+        if loaded.model_type not in PROVEN_ARCHITECTURES:
+            self._verify_architecture(loaded, shape)
         self.pool = KVPool(shape, num_blocks, cfg.block_size)
         self.alloc = BlockAllocator(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.alloc, cfg.max_batch, cfg.prefill_chunk)
@@ -255,6 +264,19 @@ class Engine:
             attention="metal-kernel" if use_kernel else "reference",
         )
         self._maybe_snapshot(force=True)
+
+    def _verify_architecture(self, loaded: LoadedModel, shape) -> None:
+        """An architecture outside the proven list runs paged only if it agrees with mlx-lm's
+        own cache on a short check; otherwise it is refused, never run wrongly."""
+        tolerance = 1e-3 if shape.dtype == mx.float32 else 3e-2
+        error = check_paged_matches(loaded.model, shape, self.config.block_size)
+        if error > tolerance:
+            raise ModelLoadError(
+                f"the {loaded.model_type!r} architecture is not supported on PagedChat's paged "
+                f"KV pool (its output differs from mlx-lm's by {error:.1e}): choose a llama, "
+                f"qwen2, qwen3, mistral, phi3 or gemma model"
+            )
+        logger.info("%s verified on the paged path (max rel. diff %.1e)", loaded.model_type, error)
 
     def _drain_after_failure(self) -> None:
         """After a failed load, answer every request with the load error until stopped."""

@@ -268,3 +268,34 @@ class PagedModel:
         if self._row_norm is None:
             logits = logits[batch.logit_rows]
         return logits[:, -1, :]
+
+
+def check_paged_matches(model: nn.Module, shape: KVShape, block_size: int) -> float:
+    """Run a short prompt and three decode steps through the paged path and through mlx-lm's
+    own cache; return the largest logit difference relative to the logits' scale.
+
+    Used at load time for architectures outside PROVEN_ARCHITECTURES: one that agrees runs
+    paged; one that does not is refused with a clear message instead of answering wrongly.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.blocks import BlockAllocator, BlockTable
+
+    prompt = [(7 * i + 3) % 100 + 1 for i in range(2 * block_size + 3)]
+    feeds = [prompt, [11], [12], [13]]
+    cache = make_prompt_cache(model)
+    pool = KVPool(shape, 8, block_size)
+    alloc = BlockAllocator(8, block_size)
+    paged = PagedModel(model, pool)
+    table = BlockTable(owner="check")
+    worst = 0.0
+    for tokens in feeds:
+        expected = model(mx.array([tokens]), cache=cache)[0, -1].astype(mx.float32)
+        start = table.num_tokens
+        slots = alloc.append(table, tokens).slots
+        got = paged.forward(build_step_batch([SequenceWork(tokens, start, table.blocks, slots)]))
+        alloc.mark_computed(table)
+        diff = mx.abs(got[0].astype(mx.float32) - expected).max()
+        scale = mx.maximum(mx.abs(expected).max(), 1.0)
+        worst = max(worst, (diff / scale).item())
+    return worst

@@ -125,3 +125,21 @@ def test_a_corrupted_block_table_breaks_the_match() -> None:
     wrong[1] = alloc.num_blocks - 1  # a block that holds nothing
     logits = paged.forward(build_step_batch([SequenceWork([7], len(prompt), wrong, result.slots)]))
     assert mx.abs(logits[0] - expected[1]).max().item() > 1e-3
+
+
+def test_load_time_check_accepts_a_compatible_architecture_and_flags_an_incompatible_one():
+    """Outside the proven list the engine checks the paged path against mlx-lm at load time:
+    a compatible architecture (starcoder2) agrees; gemma2, whose attention bypasses
+    scaled_dot_product_attention (logit soft-capping), does not and is refused."""
+    from engine.model_adapter import check_paged_matches
+
+    CONFIGS["starcoder2"] = {"model_type": "starcoder2", "norm_epsilon": 1e-5}
+    CONFIGS["gemma2"] = {"model_type": "gemma2", "head_dim": 16, "num_key_value_heads": 2,
+                         "query_pre_attn_scalar": 16}
+    try:
+        for arch, compatible in (("starcoder2", True), ("gemma2", False)):
+            model = tiny_model(arch)
+            error = check_paged_matches(model, probe_kv_shape(model), BLOCK_SIZE)
+            assert (error < 1e-4) == compatible, f"{arch}: relative error {error}"
+    finally:
+        del CONFIGS["starcoder2"], CONFIGS["gemma2"]
