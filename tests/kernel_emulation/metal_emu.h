@@ -52,10 +52,14 @@
 // * more than 32 KiB of threadgroup memory, more than 1024 threads per threadgroup.
 //
 // MODELLED
-// * address spaces: device, constant, thread (empty qualifiers), threadgroup (function-scope
-//   arrays only: `threadgroup float buf[N];` becomes a static array shared by the threads of
-//   the running threadgroup). `threadgroup T*` pointers and threadgroup kernel arguments are
-//   NOT supported (they would not compile here).
+// * address spaces: device and thread (empty qualifiers); constant = `volatile`, so that, as
+//   on Metal, a constant-space pointer does not convert to a device (or thread) pointer: code
+//   that stores a small input (MLX passes inputs of fewer than 8 elements in `constant`) in a
+//   `const device T*` fails to compile here too. Program-scope `constexpr constant` variables
+//   are not supported (write `constexpr`). threadgroup: function-scope arrays only
+//   (`threadgroup float buf[N];` becomes a static array shared by the threads of the running
+//   threadgroup); `threadgroup T*` pointers and threadgroup kernel arguments are NOT supported
+//   (they do not compile here).
 // * types: half / float16_t (_Float16), bfloat / bfloat16_t (round-to-nearest-even), uint,
 //   ushort, uchar, vector types {float,half,int,uint,short,ushort}{2,3,4} with .x .y .z .w,
 //   elementwise arithmetic.
@@ -71,9 +75,9 @@
 //   fma, clamp, abs, select, ...), metal::fast:: and metal::precise:: (all computed precisely).
 //
 // NOT MODELLED
-// * address spaces are erased: passing a `constant` pointer where a `device` one is declared
-//   compiles here but not on Metal (MLX puts inputs of fewer than 8 elements in `constant`;
-//   declare derived pointers `auto`). Only the Metal compiler (a Mac) checks this;
+// * the device -> constant direction of address-space mismatches, and threadgroup/thread
+//   mismatches, compile here but not on Metal: only the Metal compiler (a Mac) checks them
+//   (declare pointers derived from kernel arguments `auto`);
 // * memory-flag scopes (every barrier orders all memory), atomics, textures, quad-group and
 //   simdgroup-matrix functions (using them does not compile here), function constants;
 // * races between threadgroups (they run one at a time), device-memory coherence, GPU timing;
@@ -112,6 +116,12 @@ struct bfloat {
   bfloat(T v) : bits_(from_float(static_cast<float>(v))) {}
   bfloat(half v) : bits_(from_float(static_cast<float>(v))) {}
   operator float() const {
+    uint32_t u = uint32_t(bits_) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  operator float() const volatile {  // a bfloat in `constant` memory (see below)
     uint32_t u = uint32_t(bits_) << 16;
     float f;
     std::memcpy(&f, &u, 4);
@@ -648,7 +658,7 @@ using namespace metal;
 // Metal address-space keywords. Last, so that nothing above (nor the runtime) sees them.
 // ---------------------------------------------------------------------------------------------
 #define device
-#define constant
+#define constant volatile
 #define thread
 #define threadgroup static
 
