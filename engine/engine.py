@@ -170,6 +170,8 @@ class Engine:
             prompt_tokens = [int(t) for t in prompt_tokens]
             if not prompt_tokens:
                 raise ValueError("prompt_tokens is empty")
+        if self._thread is None:
+            raise RuntimeError("the engine is not running: call start() first")
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(request_id, session_id, params.n, self._request_cancel)
@@ -234,6 +236,7 @@ class Engine:
                     self._finish_request(request, FinishReason.ERROR, f"engine error: {message}")
         for request in list(self._requests.values()):
             self._finish_request(request, FinishReason.CANCELLED)
+        self._answer_queued(FinishReason.CANCELLED, "the engine stopped")
         self._maybe_snapshot(force=True)
 
     def _load(self) -> None:
@@ -280,15 +283,23 @@ class Engine:
 
     def _drain_after_failure(self) -> None:
         """After a failed load, answer every request with the load error until stopped."""
+        self._answer_queued(FinishReason.ERROR, self.load_error, until_stop=True)
+
+    def _answer_queued(self, reason: FinishReason, message: str | None,
+                       until_stop: bool = False) -> None:
+        """End every queued submission with ``reason`` (the engine cannot serve them)."""
         while True:
-            item = self._inbox.get()
+            try:
+                item = self._inbox.get(block=until_stop)
+            except queue.Empty:
+                return
             if item is _STOP:
                 return
             if isinstance(item, _Submit):
                 for index in range(item.params.n):
                     item.handle._push(self._final_event(
-                        item.request_id, item.session_id, index, FinishReason.ERROR, "",
-                        self._usage(None, 0, 0), error=self.load_error,
+                        item.request_id, item.session_id, index, reason, "",
+                        self._usage(None, 0, 0), error=message,
                     ))
 
     def _drain_inbox(self, block: bool) -> bool:
@@ -515,6 +526,9 @@ class Engine:
             request.request_id, seq.session_id, seq.index, reason, seq.text,
             self._usage(request, seq.num_generated, seq), error=error,
         ))
+        if seq.index == 0 and not request.forked:
+            for sibling in request.sequences[1:]:  # they would have forked from this one
+                self._finish(sibling, reason, error)
         if request.finished:
             self._requests.pop(request.request_id, None)
 

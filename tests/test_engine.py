@@ -254,3 +254,19 @@ def test_small_pool_preempts_and_every_chat_still_matches() -> None:
         assert finals[0].finish_reason is not FinishReason.ERROR, finals[0].error
         assert tokens[0] == expected[i], f"chat {i} changed after preemption"
     assert snap.used_blocks == 0
+
+
+def test_failed_load_answers_requests_with_the_load_error(tmp_path) -> None:
+    missing = tmp_path / "no-such-model"
+    broken = Engine(EngineConfig(model=str(missing)))
+    with pytest.raises(RuntimeError):
+        broken.submit(messages=user("hi"))  # not started
+    broken.start()
+    try:
+        assert not broken.wait_ready(60)
+        assert broken.status == "error" and str(missing) in broken.load_error
+        _, finals = collect(broken.submit(messages=user("hi"), params=SamplingParams(n=2)))
+        assert {f.finish_reason for f in finals.values()} == {FinishReason.ERROR}
+        assert len(finals) == 2 and all(f.error == broken.load_error for f in finals.values())
+    finally:
+        broken.stop()
