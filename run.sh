@@ -14,7 +14,7 @@ case "${1:-run}" in
         ;;
     bench)
         shift
-        exec .venv/bin/python -m bench.run_all "$@"
+        exec .venv/bin/python -m bench.engine_bench "$@"
         ;;
     run)
         shift || true
