@@ -25,7 +25,8 @@ from tests.kernel_emulation import generator as gen
 CONTEXT_LENS = (1, 15, 16, 17, 511, 512, 513, 2049)  # one ragged batch
 SPARE_BLOCKS = 9  # pool blocks no sequence owns; unused table entries point at them too
 
-needs_gxx = pytest.mark.skipif(not gen.compiler_available(), reason=f"needs {gen.CXX}")
+_EMULATION, _WHY_NOT = gen.emulation_available()
+needs_gxx = pytest.mark.skipif(not _EMULATION, reason=_WHY_NOT)
 needs_metal = pytest.mark.skipif(
     not attention.kernel_available(), reason="needs the Metal backend (a Mac)"
 )
@@ -268,8 +269,8 @@ def mutated_sources(mutant: str) -> dict[str, kernels.KernelSource]:
 @pytest.fixture(scope="module")
 def prebuilt():
     """Compile every program this module needs, in parallel (cached across runs)."""
-    if not gen.compiler_available():
-        pytest.skip(f"needs {gen.CXX}")
+    if not _EMULATION:
+        pytest.skip(_WHY_NOT)
     sources = []
     for case in [*CASES, MUTANT_CASE]:
         sources += gen.plan_sources(plan_for(case))

@@ -266,6 +266,16 @@ def compiler_available() -> bool:
     return shutil.which(CXX) is not None
 
 
+def emulation_available() -> tuple[bool, str]:
+    """(available, reason): the emulator is built and verified on Linux with GNU tools (a
+    linker script places threadgroup memory; fibers switch in x86-64 assembly or ucontext)."""
+    if not sys.platform.startswith("linux"):
+        return False, "the CPU emulator targets Linux; on a Mac run the GPU tests (-m mac)"
+    if not compiler_available():
+        return False, f"needs {CXX}"
+    return True, ""
+
+
 @lru_cache(maxsize=1)
 def _toolchain_id() -> str:
     version = subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True)
