@@ -17,6 +17,7 @@ kernel (no reduce pass when there is a single partition).
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -25,7 +26,16 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-SHADER_PATH = Path(__file__).resolve().parent.parent / "shaders" / "paged_attention.metal"
+
+def _shaders_root() -> Path:
+    """The folder holding ``shaders/``: the project root from source; ``sys._MEIPASS`` in a
+    PyInstaller bundle (packaging/pagedchat.spec ships ``shaders/`` there as data; the app's
+    own files use the same rule through app/resources.py, which the engine must not import)."""
+    base = getattr(sys, "_MEIPASS", None) if getattr(sys, "frozen", False) else None
+    return Path(base) if base else Path(__file__).resolve().parent.parent
+
+
+SHADER_PATH = _shaders_root() / "shaders" / "paged_attention.metal"
 
 HEAD_DIMS = (64, 80, 96, 128)
 BLOCK_SIZES = (8, 16, 32)
