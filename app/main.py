@@ -47,7 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-memory-mib", type=float, metavar="MIB", help="KV pool budget for this run")
     p.add_argument("--theme", choices=("system", "light", "dark"), help="colour theme for this run")
-    # Packaging adds --self-test here (and its branch in main()).
+    p.add_argument(
+        "--self-test",
+        action="store_true",
+        help="load the default model, generate a few tokens, open and close the window off "
+        "screen, print one line and exit 0 if all worked (checks an installed or bundled app)",
+    )
     return p
 
 
@@ -74,6 +79,10 @@ def _quiet_offscreen_warnings() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.self_test:
+        from app.self_test import main as self_test_main
+
+        return self_test_main()
     if args.screenshot and not args.demo:
         parser.error("--screenshot needs --demo")
 
