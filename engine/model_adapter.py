@@ -132,6 +132,7 @@ class PagedLayerCache:
         self.pool = pool
         self.layer = layer
         self.use_kernel = use_kernel
+        self._kernel_ok: bool | None = None
         self.batch: StepBatch | None = None
 
     @property
@@ -147,6 +148,21 @@ class PagedLayerCache:
         self.pool.write(self.layer, b.write_blocks, b.write_offsets, keys[:, :, 0], values[:, :, 0])
         return keys, values
 
+    def _kernel_fits(self, num_heads: int) -> bool:
+        """The Metal kernel when enabled and it handles this attention shape, else the
+        reference path (decided once: shapes do not change)."""
+        if self._kernel_ok is None:
+            self._kernel_ok = False
+            if self.use_kernel:
+                from engine import kernels
+
+                shape = self.pool.shape
+                self._kernel_ok = kernels.supports(
+                    num_heads, shape.num_kv_heads, shape.head_dim, self.pool.block_size,
+                    shape.dtype,
+                )
+        return self._kernel_ok
+
     def attend(self, queries: mx.array, scale: float) -> mx.array:
         """queries: [T, heads, 1, head_dim] -> [T, heads, 1, head_dim]."""
         b = self.batch
@@ -157,7 +173,7 @@ class PagedLayerCache:
             parts.append(
                 attention.paged_decode(
                     queries[: b.num_decode], k_pool, v_pool, b.decode_tables, b.decode_lens,
-                    scale, use_kernel=self.use_kernel,
+                    scale, use_kernel=self._kernel_fits(queries.shape[1]),
                 )
             )
         for chunk in b.prefills:
