@@ -63,6 +63,19 @@ def default_data_dir() -> Path:
     return Path(loc) if loc else Path.home() / ".pagedchat"
 
 
+GIL_SWITCH_INTERVAL_S = 0.001
+
+
+def share_the_gil() -> None:
+    """Let the GUI thread get the GIL back quickly while the engine thread runs Python.
+
+    Every GIL-releasing call on the GUI thread (an SQLite write, many Qt calls) must wait for
+    the engine thread to hand the GIL back, by default up to 5 ms each time; a handful of such
+    calls in one event then stall the UI for tens of milliseconds (bench/gui_latency.py).
+    """
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+
+
 def _quiet_offscreen_warnings() -> None:
     """The offscreen platform warns about window hints it cannot honour; that is noise."""
     if os.environ.get("QT_QPA_PLATFORM") != "offscreen":
@@ -108,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.theme import theme_manager
 
     _quiet_offscreen_warnings()
+    share_the_gil()
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("PagedChat")
     app.setApplicationDisplayName("PagedChat")

@@ -113,19 +113,25 @@ def test_no_display_message():
     assert no_display_problem({}, "darwin") is None
 
 
-def test_signal_emits_do_not_exhaust_true(qapp):
-    """PySide6 6.12 drops a reference to True per emit; app.qt_compat must make that safe."""
+def test_pyside_refcount_leaks_cannot_exhaust_singletons(qapp):
+    """PySide6 6.12 drops a reference to True per emit and to None per void call (on 3.11);
+    app.qt_compat must make that harmless."""
     from PySide6.QtCore import QObject, Signal
+    from PySide6.QtWidgets import QLabel
 
     import app  # noqa: F401  (applies the workaround)
+    from app.qt_compat import leaked_references
 
     class Probe(QObject):
         ping = Signal(bool)
 
     p = Probe()
-    for _ in range(20_000):  # far more than True's natural reference count
+    label = QLabel()
+    for _ in range(50_000):  # far more than the singletons' natural reference counts
         p.ping.emit(True)
-    assert sys.getrefcount(True) > 1_000_000
+        label.setText("x")
+    assert sys.getrefcount(True) > 1_000_000 and sys.getrefcount(None) > 1_000_000
+    assert set(leaked_references()) == {"None", "True", "False"}
 
 
 def test_throttle_caps_render_rate(qapp, qtbot):
