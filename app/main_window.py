@@ -71,6 +71,7 @@ class EngineBanner(QFrame):
         h = QHBoxLayout(self)
         h.setContentsMargins(14, 8, 10, 8)
         self.label = QLabel()
+        self.label.setAccessibleName("Engine status message")
         self.label.setWordWrap(True)
         self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         h.addWidget(self.label, 1)

@@ -249,3 +249,49 @@ def test_a_model_folder_that_does_not_exist(qtbot, qasync_loop, app_env, app_eng
     window.shutdown_chats()
     bridge.shutdown()
     store.close()
+
+
+def test_changing_the_pool_restarts_the_engine_and_chats_survive(qtbot, qasync_loop, app_env):
+    from app.app_settings import AppSettings
+    from app.engine_bridge import EngineBridge
+    from app.main_window import MainWindow
+    from app.store import Store
+
+    store = Store(app_env)
+    settings = AppSettings(kv_memory_mib=24.0)
+    bridge = EngineBridge()
+    window = MainWindow(store, bridge, settings)
+    qtbot.addWidget(window)
+    window.show()
+    bridge.start(settings.engine_config())
+    qtbot.waitUntil(lambda: bridge.status == "ready", timeout=WAIT_MS)
+    old_engine, old_info = bridge.engine, bridge.model_info
+    pane = window.focused_pane
+    pane.session.set_settings(greedy(6))
+    pane.send("Say hi.")
+    wait_idle(qtbot, pane)
+    kept = [(m.id, m.content) for m in pane.session.active_path()]
+
+    new = AppSettings.from_dict(settings.to_dict())
+    new.kv_memory_mib = 48.0
+    new.block_size = 32
+    assert window.apply_settings(new)
+    assert window.banner.isVisible()  # loading again
+    qtbot.waitUntil(
+        lambda: bridge.status == "ready" and bridge.engine is not old_engine, timeout=WAIT_MS
+    )
+    assert old_engine.status == "stopped"
+    info = bridge.model_info
+    assert old_info.block_size == 16 and info.block_size == 32
+    assert (
+        info.num_blocks * info.bytes_per_block
+        > 1.5 * old_info.num_blocks * old_info.bytes_per_block
+    )
+    assert [(m.id, m.content) for m in pane.session.active_path()] == kept
+    assert AppSettings.load(store).block_size == 32
+    pane.send("And again?")
+    wait_idle(qtbot, pane)
+    assert last_reply(pane).status in (Status.COMPLETE, Status.LENGTH)
+    window.shutdown_chats()
+    bridge.shutdown()
+    store.close()

@@ -1,0 +1,119 @@
+"""The main window without a model: layout commands, sidebar, accessibility, themes."""
+
+from __future__ import annotations
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QAbstractButton, QWidget
+
+from app.engine_bridge import EngineBridge
+from app.main_window import MAX_PANES, MainWindow
+from app.store import Store
+from app.theme import theme_manager
+
+
+@pytest.fixture
+def window(qtbot, qasync_loop, app_env):
+    store = Store(app_env)
+    bridge = EngineBridge()  # no engine: nothing here needs the model
+    w = MainWindow(store, bridge)
+    qtbot.addWidget(w)
+    w.show()
+    yield w
+    w.shutdown_chats()
+    store.close()
+
+
+def test_panes_open_close_and_focus_from_the_keyboard(window, qtbot):
+    assert len(window.panes) == 1
+    for n in range(2, MAX_PANES + 1):
+        qtbot.keyClick(
+            window,
+            Qt.Key.Key_N,
+            Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier,
+        )
+        assert len(window.panes) == n
+    assert window.new_chat(new_pane=True) is None  # at most four
+    assert not window.act_new_pane.isEnabled()
+    qtbot.keyClick(window, Qt.Key.Key_3, Qt.KeyboardModifier.ControlModifier)
+    assert window.focused_pane is window.panes[2]
+    closing = window.panes[2]
+    window.act_close_pane.trigger()  # Close (Ctrl/⌘+W)
+    assert len(window.panes) == 3 and closing not in window.panes
+    while len(window.panes) > 1:
+        window.close_focused_pane()
+    window.close_focused_pane()  # the last pane stays
+    assert len(window.panes) == 1
+
+
+def test_unused_new_chats_do_not_pile_up(window):
+    first = window.focused_pane.session.id
+    window.new_chat()  # replaces the empty chat in the focused pane
+    assert window.store.get_conversation(first) is None
+    assert len(window.store.list_conversations()) == 1
+
+
+def test_sidebar_rename_search_and_delete(window, qtbot):
+    sidebar = window.sidebar
+    a = window.focused_pane.session
+    a.send("hello there")  # no engine: the message is kept, the reply shows an error
+    assert a.active_path()[0].content == "hello there"
+    b = window.new_chat(new_pane=True).session
+    b.rename("Shopping list")
+    sidebar.reload()
+    assert set(sidebar.visible_ids()) == {a.id, b.id}
+    row = sidebar.model.row_of(b.id)
+    assert sidebar.model.setData(sidebar.model.index(row), "Groceries", Qt.ItemDataRole.EditRole)
+    assert window.store.get_conversation(b.id).title == "Groceries" and b.title == "Groceries"
+    sidebar.set_search("groc")
+    assert sidebar.visible_ids() == [b.id]
+    sidebar.set_search("THERE")  # message text, case-insensitive
+    assert sidebar.visible_ids() == [a.id]
+    sidebar.set_search("nothing like this")
+    assert sidebar.visible_ids() == [] and sidebar.empty.isVisible()
+    sidebar.set_search("")
+    assert window.delete_chat(b.id, confirm=False)
+    assert window.store.get_conversation(b.id) is None and window.pane_for(b.id) is None
+    assert window.delete_chat(a.id, confirm=False)  # the last pane gets another chat
+    assert len(window.panes) == 1 and window.panes[0].session.id != a.id
+
+
+def test_without_a_model_sending_keeps_the_message_and_says_why(window):
+    pane = window.focused_pane
+    assert pane.send("Are you there?")
+    user, reply = pane.session.active_path()
+    assert user.content == "Are you there?"
+    assert window.store.get_message(user.id).content == "Are you there?"
+    assert reply.status == "error" and "No model is loaded" in pane.notice_label.text()
+
+
+def test_every_control_has_an_accessible_name(window):
+    window.new_chat(new_pane=True)
+    window.toggle_compare(True)
+    missing = []
+    for w in window.findChildren(QWidget):
+        if not w.isVisibleTo(window) or w.focusPolicy() == Qt.FocusPolicy.NoFocus:
+            continue
+        if w.metaObject().className() in ("QSplitterHandle", "QDockWidgetTitleButton"):
+            continue
+        name = w.accessibleName() or (w.text() if isinstance(w, QAbstractButton) else "")
+        if not name.strip():
+            missing.append(f"{w.metaObject().className()} {w.objectName()}")
+    assert not missing, missing
+
+
+def test_theme_switches_light_and_dark(window, qtbot):
+    with qtbot.waitSignal(theme_manager().changed):
+        window.set_theme("dark")
+    assert theme_manager().dark
+    assert window.palette().color(window.backgroundRole()).lightness() < 80
+    with qtbot.waitSignal(theme_manager().changed):
+        window.set_theme("light")
+    assert not theme_manager().dark
+    assert window.palette().color(window.backgroundRole()).lightness() > 200
+    assert window.theme_actions["light"].isChecked() or window.settings.theme == "light"
+
+
+def test_monitor_dock_placeholder(window):
+    dock = window.findChild(QWidget, "kvMonitorDock")
+    assert dock is window.monitor_dock and dock.widget() is not None
