@@ -93,10 +93,20 @@ class ChatPane(QFrame):
         h = QHBoxLayout(self.header)
         h.setContentsMargins(30, 6, 6, 6)
         h.setSpacing(2)
+        titles = QVBoxLayout()
+        titles.setSpacing(0)
+        titles.setContentsMargins(0, 0, 0, 0)
         self.title_label = QLabel()
         self.title_label.setObjectName("paneTitle")
         self.title_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        h.addWidget(self.title_label, 1)
+        titles.addWidget(self.title_label)
+        self.subtitle_label = QLabel()
+        self.subtitle_label.setObjectName("paneSubtitle")
+        self.subtitle_label.setSizePolicy(
+            QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred
+        )
+        titles.addWidget(self.subtitle_label)
+        h.addLayout(titles, 1)
         self.settings_button = self._tool_button("sliders", "Chat settings", self.open_settings)
         self.close_button = self._tool_button("close", "Close pane", self._close_clicked)
         h.addWidget(self.settings_button)
@@ -200,6 +210,7 @@ class ChatPane(QFrame):
         session.notice.connect(self.show_notice)
         session.contextChanged.connect(self._update_footer)
         session.pathChanged.connect(self._update_empty)
+        session.settingsChanged.connect(self._update_title)
         self.header.accent = colors.accent_color(session.id)
         self._update_title()
         self._update_busy()
@@ -213,6 +224,7 @@ class ChatPane(QFrame):
             (session.notice, self.show_notice),
             (session.contextChanged, self._update_footer),
             (session.pathChanged, self._update_empty),
+            (session.settingsChanged, self._update_title),
         ):
             disconnect(sig, slot)
 
@@ -358,6 +370,16 @@ class ChatPane(QFrame):
             fm.elidedText(title, Qt.TextElideMode.ElideRight, max(60, self.title_label.width()))
         )
         self.title_label.setToolTip(title)
+        prompt = " ".join(self.session.settings.system_prompt.split())
+        sub = self.subtitle_label
+        if prompt:
+            sub.setText(
+                sub.fontMetrics().elidedText(
+                    f"System: {prompt}", Qt.TextElideMode.ElideRight, max(60, sub.width())
+                )
+            )
+            sub.setToolTip(self.session.settings.system_prompt)
+        sub.setVisible(bool(prompt))
         prefix = f"Pane {self._number}: " if self._number else ""
         self.setAccessibleName(f"{prefix}{title}")
 
@@ -401,8 +423,8 @@ class ChatPane(QFrame):
             out["blocks_shared"] = stats.blocks_shared
             if session is not None and session.busy:
                 out["tokens_per_s"] = stats.tokens_per_s
-                if stats.tokens_in_context:
-                    out["context"] = stats.tokens_in_context
+                if stats.tokens_in_context:  # summed over the samples of an n>1 request
+                    out["context"] = stats.tokens_in_context // max(1, session.live_samples())
         if out["tokens_per_s"] is None and session is not None and session.last_usage:
             out["tokens_per_s"] = session.last_usage.get("decode_tokens_per_s")
         return out

@@ -111,6 +111,10 @@ class ChatSession(QObject):
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
+    def live_samples(self) -> int:
+        """Replies still being generated (an n>1 request streams several)."""
+        return sum(1 for ids in self._requests.values() for i in ids if i is not None)
+
     def active_path(self) -> list[Message]:
         return self.tree.active_path()
 
