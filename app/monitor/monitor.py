@@ -1,0 +1,297 @@
+"""The KV monitor panel: block map, key, legend, counters and timeline, fed by snapshots.
+
+The panel only reads immutable `PoolSnapshot`s that the bridge polls at 10 Hz
+(`snapshotUpdated`), so it can never block or slow the engine thread. It wires the parts
+together: selecting a chat (legend row or one of its blocks) highlights its blocks and focuses
+its pane; hovering a pane or a legend row highlights that chat while the pointer stays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from PySide6.QtCore import QSize, Qt
+from PySide6.QtGui import QFont, QPalette
+from PySide6.QtWidgets import (
+    QHBoxLayout,
+    QLabel,
+    QStackedWidget,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app import colors
+from app.monitor.block_map import BlockMap, BlockMapArea
+from app.monitor.chats import ChatDirectory
+from app.monitor.counters import (
+    CapacityBar,
+    CountersWidget,
+    PoolCounters,
+    fmt_mib,
+    pool_counters,
+)
+from app.monitor.key import MapKey
+from app.monitor.legend import LegendModel, LegendView
+from app.monitor.pool_state import PoolState
+from app.monitor.timeline import TimelineWidget
+
+WAITING, CONTENT, NOT_PAGED = range(3)
+
+
+def _heading(text: str) -> QLabel:
+    label = QLabel(text)
+    label.setObjectName("monitorHeading")
+    font = QFont(label.font())
+    font.setBold(True)
+    font.setPointSizeF(max(7.0, font.pointSizeF() * 0.85))
+    font.setCapitalization(QFont.Capitalization.AllUppercase)
+    font.setLetterSpacing(QFont.SpacingType.PercentageSpacing, 106)
+    label.setFont(font)
+    label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+    return label
+
+
+def _small(label: QLabel, scale: float = 0.9) -> QLabel:
+    font = QFont(label.font())
+    font.setPointSizeF(max(7.0, font.pointSizeF() * scale))
+    label.setFont(font)
+    return label
+
+
+class MonitorPanel(QWidget):
+    def __init__(
+        self, bridge: Any, directory: ChatDirectory | None = None, parent: QWidget | None = None
+    ) -> None:
+        super().__init__(parent)
+        self.setObjectName("kvMonitor")
+        self.setAccessibleName("KV cache monitor")
+        self.setBackgroundRole(QPalette.ColorRole.Base)
+        self.setAutoFillBackground(True)
+        self.bridge = bridge
+        self.directory = directory or ChatDirectory(None, self)
+        self._snap: Any = None
+        self._counters: PoolCounters | None = None
+        self._selected: str | None = None
+        self._hovered: str | None = None
+        self._build()
+        self.directory.paneHovered.connect(self._pane_hovered)
+        bridge.snapshotUpdated.connect(self.show_snapshot)
+        if getattr(bridge, "latest_snapshot", None) is not None:
+            self.show_snapshot(bridge.latest_snapshot)
+
+    def sizeHint(self) -> QSize:
+        return QSize(384, 760)
+
+    # ---- construction ----------------------------------------------------------------------
+
+    def _build(self) -> None:
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        self.pages = QStackedWidget(self)
+        outer.addWidget(self.pages)
+
+        self.waiting_label = QLabel("Waiting for the model…")
+        self.waiting_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.waiting_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        self.pages.addWidget(self.waiting_label)
+
+        content = QWidget()
+        self.pages.addWidget(content)
+        v = QVBoxLayout(content)
+        v.setContentsMargins(10, 8, 10, 10)
+        v.setSpacing(5)
+
+        head = QHBoxLayout()
+        head.setSpacing(4)
+        head.addWidget(_heading("Block pool"))
+        self.summary = _small(QLabel(), 0.85)
+        self.summary.setObjectName("monitorSummary")
+        self.summary.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        head.addWidget(self.summary, 1)
+        self.zoom_label = _small(QLabel(), 0.85)
+        self.zoom_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        self.zoom_label.setAccessibleName("Blocks per cell")
+        head.addWidget(self.zoom_label)
+        self.zoom_out_button = self._tool("−", "Zoom out of the block map", "Zoom out (−)")
+        self.zoom_fit_button = self._tool("Fit", "Fit the whole pool", "Show every block (0)")
+        self.zoom_in_button = self._tool("+", "Zoom into the block map", "Zoom in (+, Ctrl+wheel)")
+        for b in (self.zoom_out_button, self.zoom_fit_button, self.zoom_in_button):
+            head.addWidget(b)
+        v.addLayout(head)
+        self.capacity = CapacityBar()
+        v.addWidget(self.capacity)
+        self.block_map = BlockMap()
+        self.block_map.set_name_resolver(self.directory.title)
+        self.block_map.set_decoder(self._decode)
+        self.map_area = BlockMapArea(self.block_map)
+        self.map_area.setBackgroundRole(QPalette.ColorRole.Base)
+        v.addWidget(self.map_area, 1)
+        self.key = MapKey()
+        v.addWidget(self.key)
+
+        v.addSpacing(6)
+        v.addWidget(_heading("Chats"))
+        self.legend_model = LegendModel(self)
+        self.legend = LegendView(self.legend_model)
+        self.legend.setBackgroundRole(QPalette.ColorRole.Base)
+        v.addWidget(self.legend)
+
+        v.addSpacing(6)
+        v.addWidget(_heading("Pool counters"))
+        self.counters = CountersWidget()
+        for label in self.counters.findChildren(QLabel):
+            _small(label, 0.92)
+            if label.objectName() == "counterLabel":
+                label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        v.addWidget(self.counters)
+
+        v.addSpacing(6)
+        v.addWidget(_heading("Last 60 s"))
+        self.timeline = TimelineWidget()
+        self.timeline.setFixedHeight(112)
+        v.addWidget(self.timeline)
+
+        self.not_paged_label = QLabel()
+        self.not_paged_label.setObjectName("monitorNotPaged")
+        self.not_paged_label.setWordWrap(True)
+        self.not_paged_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.not_paged_label.setMargin(24)
+        self.not_paged_label.setAccessibleName("KV monitor unavailable")
+        self.pages.addWidget(self.not_paged_label)
+
+        self.zoom_out_button.clicked.connect(self.block_map.zoom_out)
+        self.zoom_fit_button.clicked.connect(self.block_map.zoom_fit)
+        self.zoom_in_button.clicked.connect(self.block_map.zoom_in)
+        self.block_map.gridChanged.connect(self._update_zoom_label)
+        self.block_map.blockClicked.connect(self._block_clicked)
+        self.legend.sessionClicked.connect(self._legend_clicked)
+        self.legend.sessionHovered.connect(self._legend_hovered)
+        self.pages.setCurrentIndex(WAITING)
+
+    def _tool(self, text: str, name: str, tip: str) -> QToolButton:
+        b = QToolButton()
+        b.setText(text)
+        b.setAccessibleName(name)
+        b.setToolTip(tip)
+        b.setAutoRaise(True)
+        b.setMinimumWidth(26)
+        return b
+
+    # ---- snapshots -------------------------------------------------------------------------
+
+    def show_snapshot(self, snap: Any) -> None:
+        """Show one snapshot (called at ~10 Hz; an unchanged snapshot only adds a sample)."""
+        if snap is None:
+            self.pages.setCurrentIndex(WAITING)
+            return
+        if not getattr(snap, "paged", True):
+            self._show_not_paged(snap)
+            return
+        if self.pages.currentIndex() != CONTENT:
+            self.pages.setCurrentIndex(CONTENT)
+        self.directory.watch_panes()
+        changed = snap is not self._snap
+        self._snap = snap
+        if changed:
+            self.block_map.set_snapshot(snap)
+            state = self.block_map_state()
+            assert state is not None
+            self._counters = pool_counters(state)
+            self.counters.set_counters(self._counters)
+            self._update_capacity(state)
+            self._update_summary(snap)
+        self.legend_model.update_from(snap, self.directory.title)
+        c = self._counters
+        assert c is not None
+        self.timeline.add(c.used, c.cached, c.shared, c.tokens_per_s, c.num_blocks)
+
+    def block_map_state(self) -> PoolState | None:
+        return self.block_map._state
+
+    def _show_not_paged(self, snap: Any) -> None:
+        model = getattr(snap, "model_name", "") or "This model"
+        self.not_paged_label.setText(
+            f"<b>{model}</b> runs on mlx-lm's own KV cache: its architecture is not in the "
+            "list proven to run on the paged pool, so there are no blocks to show.<br><br>"
+            "Chats still stream and batch; block sharing, the prefix cache and this map "
+            "need a paged model (llama, qwen2, qwen3, mistral, phi3, gemma)."
+        )
+        self.pages.setCurrentIndex(NOT_PAGED)
+        self._snap = snap
+
+    def _update_capacity(self, state: PoolState) -> None:
+        used = state.primary[state.used_mask()]
+        counts = np.bincount(used[used >= 0], minlength=len(self.block_map.sessions))
+        ids = self.block_map.sessions.ids
+        segments = [
+            (colors.accent_color(ids[i]), int(n)) for i, n in enumerate(counts.tolist()) if n
+        ]
+        cached = self._counters.cached if self._counters is not None else 0
+        self.capacity.set_segments(segments, cached, state.num_blocks)
+
+    def _update_summary(self, snap: Any) -> None:
+        per_block = snap.bytes_per_block / (1024 * 1024)
+        text = (
+            f"{snap.num_blocks:,} × {snap.block_size} tokens · "
+            f"{fmt_mib(per_block * snap.num_blocks)}"
+        )
+        if text != self.summary.text():
+            self.summary.setText(text)
+            self.summary.setToolTip(
+                f"{snap.num_blocks:,} blocks of {snap.block_size} token slots; "
+                f"{snap.bytes_per_block / 1024:,.0f} KiB per block (K and V, every layer)"
+                + (f"\nmodel: {snap.model_name}" if snap.model_name else "")
+            )
+
+    def _update_zoom_label(self) -> None:
+        g = self.block_map.grid
+        if g is None:
+            return
+        self.zoom_label.setText(
+            "1 block/cell" if g.per_cell == 1 else f"{g.per_cell} blocks/cell"
+        )
+        self.zoom_in_button.setEnabled(g.can_zoom_in)
+        self.zoom_out_button.setEnabled(g.zoom > 0)
+        self.zoom_fit_button.setEnabled(g.zoom > 0)
+
+    def _decode(self, tokens: tuple[int, ...]) -> str:
+        engine = getattr(self.bridge, "engine", None)
+        return engine.decode(tokens) if engine is not None else ""
+
+    # ---- selection and hover ---------------------------------------------------------------
+
+    def select_session(self, session_id: str | None, focus_pane: bool = True) -> None:
+        """Highlight a chat's blocks (None clears) and focus its pane if it is open."""
+        self._selected = session_id
+        self.legend.select_session(session_id)
+        self._apply_highlight()
+        if session_id is not None and focus_pane:
+            self.directory.focus(session_id)
+
+    def _legend_clicked(self, session_id: str | None) -> None:
+        self._selected = session_id
+        self._apply_highlight()
+        if session_id is not None:
+            self.directory.focus(session_id)
+
+    def _legend_hovered(self, session_id: str | None) -> None:
+        self._hovered = session_id
+        self._apply_highlight()
+
+    def _pane_hovered(self, session_id: str | None) -> None:
+        self._hovered = session_id
+        self._apply_highlight()
+
+    def _block_clicked(self, block: int) -> None:
+        state = self.block_map_state()
+        owners = state.block(block).owners if state is not None and block >= 0 else ()
+        self.select_session(owners[0] if owners else None)
+
+    def _apply_highlight(self) -> None:
+        self.block_map.set_highlight(self._hovered or self._selected)
+
+    @property
+    def highlighted(self) -> str | None:
+        return self.block_map.highlight
