@@ -298,6 +298,11 @@ def locate_default_gguf() -> Path:
             raise ModelLoadError(f"{GGUF_PATH_ENV} points to {path}, which is not a file: "
                                  "fix or unset it.")
         return path
+    bundle = getattr(sys, "_MEIPASS", None) if getattr(sys, "frozen", False) else None
+    if bundle:  # a PyInstaller bundle ships the file here (packaging/pagedchat.spec)
+        bundled = sorted((Path(bundle) / GGUF_PACKAGE).glob("*.gguf"))
+        if bundled:
+            return bundled[0]
     try:
         spec = importlib.util.find_spec(GGUF_PACKAGE)
     except (ImportError, ValueError) as e:
