@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 
 #: A question whose greedy answer is known: a build with broken numerics (a wrong BLAS, a bad
@@ -91,7 +92,11 @@ def generate(result: SelfTestResult) -> object:
 
     from engine import Engine, EngineConfig, FinishReason, SamplingParams
 
-    result.backend = "metal" if mx.metal.is_available() else "cpu"
+    if mx.metal.is_available():
+        result.backend = "metal"
+    else:  # on Linux, say whether the fast BLAS is preloaded (scripts/env.sh or the bundle)
+        blas = "openblas" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled blas"
+        result.backend = f"cpu, {blas}"
     engine = Engine(EngineConfig(model="default", kv_memory_mib=16.0, max_batch=2))
     engine.start()
     try:
@@ -198,6 +203,7 @@ def run_self_test() -> SelfTestResult:
     except SelfTestError as e:
         result.reason = str(e)
     except Exception as e:  # noqa: BLE001 - an unexpected crash is a failed test, with its cause
+        traceback.print_exc()  # stderr: where in the bundle it broke
         result.reason = f"{type(e).__name__}: {e}"
     finally:
         if engine is not None:
