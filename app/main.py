@@ -156,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     bridge = EngineBridge()
     window = MainWindow(store, bridge, settings)
     window.show()
+    if sys.platform == "darwin":  # clicking the Dock icon brings the hidden window back
+        from PySide6.QtCore import Qt
+
+        app.applicationStateChanged.connect(
+            lambda state: window.show()
+            if state == Qt.ApplicationState.ApplicationActive and not window.isVisible()
+            else None
+        )
 
     invalid = settings.validate()
     if invalid:

@@ -693,8 +693,11 @@ class MainWindow(QMainWindow):
 
     def set_theme(self, theme: str) -> None:
         self.settings.theme = theme
-        self.settings.save(self.store)
+        saved = AppSettings.load(self.store)  # not this run's --model/--kv overrides
+        saved.theme = theme
+        saved.save(self.store)
         theme_manager().apply(theme)
+        self.theme_actions[theme].setChecked(True)
 
     def restart_engine(self) -> None:
         """Stop the engine and start one for the current settings; chats stay open."""

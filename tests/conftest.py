@@ -29,18 +29,31 @@ def app_env(tmp_path, monkeypatch):
     return data
 
 
-@pytest.fixture(scope="module")
-def qasync_loop(qapp):
-    """A qasync loop driven by the Qt event loop that pytest-qt's waits spin."""
+@pytest.fixture(scope="session")
+def _qasync_session_loop(qapp):
+    """One qasync loop for the whole session (stopping it calls QApplication.exit(), after
+    which Qt's nested event loops, and so pytest-qt's waits, return at once)."""
     import asyncio
 
     import qasync
 
     loop = qasync.QEventLoop(qapp, already_running=True)
-    asyncio.set_event_loop(loop)
+    asyncio.events._set_running_loop(None)  # made current per module by qasync_loop
     yield loop
     loop.stop()
     loop.close()  # joins its worker threads (Qt aborts on a QThread destroyed while running)
+
+
+@pytest.fixture(scope="module")
+def qasync_loop(_qasync_session_loop):
+    """The qasync loop, current and running (driven by pytest-qt's waits) for one module;
+    other modules keep a clean asyncio state (asyncio.run works there)."""
+    import asyncio
+
+    loop = _qasync_session_loop
+    asyncio.set_event_loop(loop)
+    asyncio.events._set_running_loop(loop)
+    yield loop
     asyncio.events._set_running_loop(None)
     asyncio.set_event_loop(None)
 
