@@ -114,7 +114,7 @@ class MessageDelegate(QStyledItemDelegate):
         self, geo: RowGeometry, msg: Message, rect: QRect, y: int, small: QFontMetrics
     ) -> None:
         tree = self._model().session.tree
-        pos, count = tree.sibling_position(msg.id)
+        _pos, count = tree.sibling_position(msg.id)
         names = ["copy", "edit" if msg.role == "user" else "regenerate", "branch"]
         items: list[tuple[str, int]] = []
         if count > 1:
@@ -130,7 +130,6 @@ class MessageDelegate(QStyledItemDelegate):
             else:
                 geo.actions[name] = r
             x += w
-        _ = pos
 
     def sizeHint(
         self, option: QStyleOptionViewItem, index: QModelIndex | QPersistentModelIndex

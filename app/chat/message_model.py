@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from html import escape
 from typing import Any
 
 from PySide6.QtCore import QAbstractListModel, QModelIndex, QObject, QPersistentModelIndex, Qt
@@ -169,9 +170,7 @@ class ChatMessageModel(QAbstractListModel):
             self.full_renders += 1
         html = rendered.html
         if msg.status == Status.ERROR and msg.meta.get("error"):
-            import html as _h
-
-            html += f'<p style="color:#d64545;">{_h.escape(str(msg.meta["error"]))}</p>'
+            html += f'<p style="color:#d64545;">{escape(str(msg.meta["error"]))}</p>'
         doc = QTextDocument()
         doc.setUndoRedoEnabled(False)
         doc.setDocumentMargin(0)

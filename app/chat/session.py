@@ -338,6 +338,13 @@ class ChatSession(QObject):
         if was_busy:
             self.busyChanged.emit(False)
 
+    def close(self) -> None:
+        """The chat is being deleted: cancel its requests and forget them."""
+        self.stop()
+        self._requests.clear()
+        self._dirty.clear()
+        self._save_timer.stop()
+
     # ---- context footer ------------------------------------------------------------------
 
     def _refresh_context(self) -> None:
@@ -424,9 +431,7 @@ class SessionManager(QObject):
     def delete(self, conversation_id: str) -> None:
         session = self.sessions.pop(conversation_id, None)
         if session is not None:
-            session.stop()
-            session._requests.clear()
-            session._save_timer.stop()
+            session.close()
         self.bridge.cancel_session(conversation_id)
         self.store.delete_conversation(conversation_id)
         colors.forget(conversation_id)
