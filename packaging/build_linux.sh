@@ -44,6 +44,9 @@ start=$(date +%s)
 rm -rf "$APP_DIR"
 env -u LD_PRELOAD "$PY" -m PyInstaller --noconfirm --log-level WARN \
     --workpath "$WORK" --distpath "$DIST" packaging/pagedchat.spec
+# Same inputs -> same tree: file times from the commit, not the build (this also keeps the
+# bundled GGUF's mtime, part of the model cache's key, stable between rebuilds of a commit).
+find "$APP_DIR" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
 built=$(date +%s)
 echo "build_linux: built $APP_DIR in $((built - start)) s;" \
     "size $(du -sh "$APP_DIR" | cut -f1) ($(find "$APP_DIR" -type f | wc -l) files)"
