@@ -60,7 +60,7 @@ def open_demo_panes(window: Any, max_tokens: int = DEMO_MAX_TOKENS) -> list[Any]
 
 async def run_demo(window: Any, screenshot: str | None, max_tokens: int = DEMO_MAX_TOKENS) -> int:
     """Run the demo; returns the process exit code."""
-    window.resize(1480, 900)
+    window.resize(1680, 1000)
     bridge = window.bridge
     panes = open_demo_panes(window, max_tokens)
     for pane, (_t, _s, prompt) in zip(panes, DEMO_CHATS, strict=True):

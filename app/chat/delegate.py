@@ -221,13 +221,16 @@ class MessageDelegate(QStyledItemDelegate):
             painter.setFont(small)
             painter.drawText(r, Qt.AlignmentFlag.AlignCenter, badge)
             x += w + 8
-        if detail:
+        if detail and geo.header.right() - x > 20:
             painter.setFont(small)
             painter.setPen(muted)
+            room = geo.header.right() - x
+            if fm.horizontalAdvance(detail) > room:
+                detail = detail.split(" · ")[0]  # drop the speed before eliding the count
             painter.drawText(
-                QRect(x, geo.header.top(), geo.header.right() - x, geo.header.height()),
+                QRect(x, geo.header.top(), room, geo.header.height()),
                 Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignLeft,
-                detail,
+                fm.elidedText(detail, Qt.TextElideMode.ElideRight, room),
             )
 
     def _paint_body(
