@@ -44,7 +44,7 @@ from app.monitor.pool_state import (
     SessionIndex,
     aggregate,
 )
-from app.monitor.raster import rasterize
+from app.monitor.raster import rasterize, rasterize_rows
 from app.monitor.tooltip import block_tooltip, cell_tooltip
 
 FLASH_S = 0.5  # how long a freshly allocated / freed block stays highlighted
@@ -406,18 +406,25 @@ class BlockMap(QWidget):
         if not self._dirty_rows or g is None or buf is None or image is None:
             return
         r0, r1 = self._image_rows
-        rows = sorted(r for r in self._dirty_rows if r0 <= r < r1)
+        rows = np.array(sorted(r for r in self._dirty_rows if r0 <= r < r1), dtype=np.int64)
         self._dirty_rows.clear()
-        runs: list[list[int]] = []
-        for r in rows:
-            if runs and r == runs[-1][1]:
-                runs[-1][1] = r + 1
-            else:
-                runs.append([r, r + 1])
-        for a, b in runs:
-            buf[(a - r0) * g.pitch : (b - r0) * g.pitch] = self._rasterize(a, b)
-            if self._badges():
-                self._draw_badges(image, r0, a, b)
+        if not len(rows):
+            return
+        palette = self._palette
+        assert palette is not None and self._plan is not None
+        pixels = rasterize_rows(
+            self._plan,
+            g,
+            rows,
+            palette.background,
+            palette.mark,
+            stripe=max(2, round(2 * self.devicePixelRatioF())),
+        )
+        tiles = buf.reshape(r1 - r0, g.pitch, buf.shape[1])
+        tiles[rows - r0] = pixels.reshape(len(rows), g.pitch, buf.shape[1])
+        if self._badges():
+            for r in rows.tolist():
+                self._draw_badges(image, r0, r, r + 1)
 
     def _visible_rows(self) -> tuple[int, int]:
         g = self._grid

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from PySide6.QtCore import QRectF, QSize, Qt
+from PySide6.QtCore import QEvent, QRectF, QSize, Qt
 from PySide6.QtGui import QBrush, QColor, QPainter, QPainterPath, QPaintEvent
 from PySide6.QtWidgets import QGridLayout, QLabel, QSizePolicy, QWidget
 
@@ -88,6 +88,7 @@ class CapacityBar(QWidget):
         self.setObjectName("capacityBar")
         self.setAccessibleName("Pool fill")
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setAttribute(Qt.WidgetAttribute.WA_OpaquePaintEvent, True)  # fills its own rect
         self._segments: list[tuple[QColor, int]] = []
         self._cached = 0
         self._total = 0
@@ -116,6 +117,7 @@ class CapacityBar(QWidget):
         bg = style.surface(pal)
         text = pal.color(pal.ColorRole.Text)
         empty = style.mix(bg, text, 0.075 if style.is_dark(pal) else 0.065)
+        p.fillRect(self.rect(), bg)
         rect = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
         radius = rect.height() / 2
         p.setPen(Qt.PenStyle.NoPen)
@@ -143,6 +145,20 @@ class CapacityBar(QWidget):
         p.end()
 
 
+WIDEST = {  # the widest text each value shows (sizes the fixed-width value labels)
+    "used": "16,384 · 11.25 GiB",
+    "cached": "16,384 · 11.25 GiB",
+    "free": "16,384 · 11.25 GiB",
+    "waste": "100.0 %",
+    "saved": "999.9 MiB",
+    "hits": "100 % of 99,999",
+    "batch": "999",
+    "step": "9,999 ms",
+    "rate": "999.9 tok/s",
+    "preemptions": "99,999",
+}
+
+
 class CountersWidget(QWidget):
     """Label/value pairs in two columns, updated from PoolCounters."""
 
@@ -153,12 +169,12 @@ class CountersWidget(QWidget):
         ("free", "Free", "Blocks holding nothing"),
         ("waste", "Waste", "Allocated slots not holding a token (only the last block of each "
          "sequence can be partly empty)"),
-        ("saved", "Saved by sharing", "Memory that shared blocks would take if every sequence "
+        ("saved", "Sharing saves", "Memory that shared blocks would take if every sequence "
          "had its own copy: sum of (refcount − 1) × block size"),
-        ("hits", "Prefix-cache hits", "Prompt blocks found in the prefix cache / looked up"),
+        ("hits", "Prefix hits", "Prompt blocks found in the prefix cache / looked up"),
         ("batch", "Batch", "Sequences in the last engine step"),
         ("step", "Step time", "Time of one engine step (forward pass + scheduling)"),
-        ("rate", "Throughput", "Tokens generated per second, all chats together"),
+        ("rate", "Speed", "Tokens generated per second, all chats together"),
         ("preemptions", "Preemptions", "Sequences evicted to make room (recomputed later)"),
     )
 
@@ -189,6 +205,23 @@ class CountersWidget(QWidget):
         grid.setColumnStretch(1, 1)
         grid.setColumnStretch(3, 1)
         grid.setColumnMinimumWidth(2, 0)
+        self._fix_value_sizes()
+
+    def _fix_value_sizes(self) -> None:
+        """Fixed-size value labels: a label whose size is fixed does not invalidate the
+        layout when its text changes, so a 10 Hz refresh repaints just the labels."""
+        keys = [k for k, _, _ in self.FIELDS]
+        half = (len(keys) + 1) // 2
+        for column in (keys[:half], keys[half:]):
+            fm = self.values[column[0]].fontMetrics()
+            width = max(fm.horizontalAdvance(WIDEST[k]) for k in column) + 2
+            for k in column:
+                self.values[k].setFixedSize(width, fm.height() + 2)
+
+    def changeEvent(self, event: QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.FontChange:
+            self._fix_value_sizes()
 
     def set_counters(self, c: PoolCounters) -> None:
         texts = {
@@ -197,11 +230,11 @@ class CountersWidget(QWidget):
             "free": f"{c.free:,} · {fmt_mib(c.mib(c.free))}",
             "waste": f"{c.waste_fraction * 100:.1f} %",
             "saved": fmt_mib(c.saved_bytes / MIB),
-            "hits": f"{c.hit_rate * 100:.0f} % ({c.hits:,}/{c.queries:,})"
+            "hits": f"{c.hit_rate * 100:.0f} % of {c.queries:,}"
             if c.queries
             else "–",
             "batch": f"{c.batch}",
-            "step": f"{c.step_ms:.0f} ms" if c.step_ms else "–",
+            "step": f"{c.step_ms:,.0f} ms" if c.step_ms else "–",
             "rate": f"{c.tokens_per_s:.1f} tok/s",
             "preemptions": f"{c.preemptions:,}",
         }

@@ -88,6 +88,8 @@ class MapKey(QWidget):
             + "<br><b>flash</b>: a block just allocated (white) or freed (its chat's colour)"
         )
         self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Fixed)
+        self._swatch_key: tuple[int, float] | None = None
+        self._swatch_images: dict[str, QImage] = {}
 
     def _font(self) -> QFont:
         font = QFont(self.font())
@@ -117,30 +119,43 @@ class MapKey(QWidget):
     def sizeHint(self) -> QSize:
         return QSize(360, self.heightForWidth(360))
 
-    def paintEvent(self, event: QPaintEvent) -> None:
+    def _swatches(self) -> dict[str, QImage]:
+        """The swatch images, rasterised once per palette and pixel ratio."""
         pal = self.palette()
-        mp = style.map_palette(pal, [])
         dpr = self.devicePixelRatioF()
+        key = (pal.cacheKey(), dpr)
+        if key == self._swatch_key:
+            return self._swatch_images
+        mp = style.map_palette(pal, [])
         size = round(SWATCH * dpr)
         grid = Grid(num_blocks=1, per_cell=1, cols=1, pitch=size, gap=0)
+        full = style.to_rgb32(QColor(colors.PALETTE[0]))
+        second = style.to_rgb32(QColor(colors.PALETTE[1]))
+        _, pale, cached, hatch = session_tables([full], mp.background, mp.empty, mp.neutral)
+        images = {}
+        for item in ITEMS:
+            paint = _swatch_paint(item.kind, size, full, second, int(pale[0]), int(cached[0]),
+                                  int(hatch[0]), mp.empty)
+            buf = rasterize(paint, grid, 0, 1, mp.background, mp.mark,
+                            stripe=max(2, round(2 * dpr)))
+            image = QImage(buf.data, size, size, size * 4, QImage.Format.Format_RGB32).copy()
+            image.setDevicePixelRatio(dpr)
+            images[item.kind] = image
+        self._swatch_key, self._swatch_images = key, images
+        return images
+
+    def paintEvent(self, event: QPaintEvent) -> None:
+        pal = self.palette()
+        images = self._swatches()
         p = QPainter(self)
         p.setRenderHint(QPainter.RenderHint.TextAntialiasing)
         p.setFont(self._font())
         fm = p.fontMetrics()
         line = max(SWATCH, fm.height()) + 4
-        full = style.to_rgb32(QColor(colors.PALETTE[0]))
-        second = style.to_rgb32(QColor(colors.PALETTE[1]))
-        _, pale, cached, hatch = session_tables([full], mp.background, mp.empty, mp.neutral)
+        p.setPen(style.muted_text(pal))
         for item, pos in self._layout(self.width()):
-            paint = _swatch_paint(item.kind, size, full, second, int(pale[0]), int(cached[0]),
-                                  int(hatch[0]), mp.empty)
-            buf = rasterize(paint, grid, 0, 1, mp.background, mp.mark,
-                            stripe=max(2, round(2 * dpr)))
-            image = QImage(buf.data, size, size, size * 4, QImage.Format.Format_RGB32)
-            image.setDevicePixelRatio(dpr)
             top = pos.y() + (line - SWATCH) / 2
-            p.drawImage(QPoint(pos.x(), int(top)), image)
-            p.setPen(style.muted_text(pal))
+            p.drawImage(QPoint(pos.x(), int(top)), images[item.kind])
             p.drawText(
                 QRectF(pos.x() + SWATCH + 5, pos.y(), 400, line),
                 Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter,

@@ -21,8 +21,16 @@ from PySide6.QtCore import (
     Qt,
     Signal,
 )
-from PySide6.QtGui import QColor, QIcon, QPainter, QPixmap
-from PySide6.QtWidgets import QAbstractItemView, QHeaderView, QTableView, QWidget
+from PySide6.QtGui import QColor, QFont, QFontMetrics, QIcon, QPainter, QPalette, QPixmap
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QHeaderView,
+    QStyle,
+    QStyledItemDelegate,
+    QStyleOptionViewItem,
+    QTableView,
+    QWidget,
+)
 
 from app import colors
 
@@ -76,9 +84,22 @@ class Row:
     rate: float
 
 
+_DISPLAY = int(Qt.ItemDataRole.DisplayRole)
+_DECORATION = int(Qt.ItemDataRole.DecorationRole)
+_TOOLTIP = int(Qt.ItemDataRole.ToolTipRole)
+_ALIGN = int(Qt.ItemDataRole.TextAlignmentRole)
+_FOREGROUND = int(Qt.ItemDataRole.ForegroundRole)
+_ACCESSIBLE = int(Qt.ItemDataRole.AccessibleTextRole)
+_USER = int(Qt.ItemDataRole.UserRole)
+_ROLES = frozenset((_DISPLAY, _DECORATION, _TOOLTIP, _ALIGN, _FOREGROUND, _ACCESSIBLE, _USER))
+_RIGHT = int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+_LEFT = int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
+# widest text each numeric column is sized for (the header may be wider)
+_SAMPLES = {2: "9,999", 3: "9,999", 4: "99,999", 5: "9,999", 6: "99.9"}
+
+
 def _alignment(col: Column) -> int:
-    side = Qt.AlignmentFlag.AlignRight if col.numeric else Qt.AlignmentFlag.AlignLeft
-    return int(side | Qt.AlignmentFlag.AlignVCenter)
+    return _RIGHT if col.numeric else _LEFT
 
 
 def _swatch(color: QColor, size: int = 12) -> QIcon:
@@ -103,6 +124,7 @@ class LegendModel(QAbstractTableModel):
         self._icons: dict[str, QIcon] = {}
         self.warning = QColor("#E5484D")
         self.muted = QColor("#8E8E93")
+        self.active = QColor("#2DB55D")
 
     # ---- updates ---------------------------------------------------------------------------
 
@@ -131,8 +153,15 @@ class LegendModel(QAbstractTableModel):
             if i is None:
                 new_rows.append(row)
             elif self._rows[i] != row:
-                self._rows[i] = row
-                self.dataChanged.emit(self.index(i, 0), self.index(i, len(COLUMNS) - 1))
+                old, self._rows[i] = self._rows[i], row
+                # repaint only the cells whose text changed (tok/s moves every refresh)
+                changed = [
+                    c for c in range(len(COLUMNS)) if self._display(old, c) != self._display(row, c)
+                ]
+                if old.state != row.state:
+                    changed += [CHAT, STATE]
+                if changed:
+                    self.dataChanged.emit(self.index(i, min(changed)), self.index(i, max(changed)))
         if new_rows:
             first = len(self._rows)
             self.beginInsertRows(QModelIndex(), first, first + len(new_rows) - 1)
@@ -181,35 +210,44 @@ class LegendModel(QAbstractTableModel):
         return None
 
     def data(self, index: Index, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if not index.isValid() or not 0 <= index.row() < len(self._rows):
+        # Views ask for a dozen roles per cell on every repaint: compare plain ints (Python
+        # enum comparisons made this method the panel's top cost) and bail out early.
+        role = int(role)
+        if role not in _ROLES:
             return None
-        row, col = self._rows[index.row()], index.column()
-        idle = row.state == "finished"
-        if role == Qt.ItemDataRole.DisplayRole:
+        r = index.row()
+        if not 0 <= r < len(self._rows):
+            return None
+        row, col = self._rows[r], index.column()
+        if role == _DISPLAY:
             return self._display(row, col)
-        if role == Qt.ItemDataRole.DecorationRole and col == CHAT:
+        if role == _ALIGN:
+            return _RIGHT if COLUMNS[col].numeric else _LEFT
+        if role == _FOREGROUND:
+            if col == STATE and row.state == "preempted":
+                return self.warning
+            if col == STATE and row.state in ("decoding", "prefilling"):
+                return self.active
+            if row.state == "finished" and col != CHAT:
+                return self.muted
+            return None
+        if role == _DECORATION:
+            if col != CHAT:
+                return None
             icon = self._icons.get(row.session_id)
             if icon is None:
                 icon = self._icons[row.session_id] = _swatch(colors.accent_color(row.session_id))
             return icon
-        if role == Qt.ItemDataRole.ToolTipRole:
+        if role == _TOOLTIP:
             if col == STATE:
                 return STATE_TIPS.get(row.state, row.state)
             if col == CHAT:
-                return f"{row.name}\nsession {row.session_id}"
+                return f"{row.name} ({STATE_LABELS.get(row.state, row.state)})\n" \
+                    f"session {row.session_id}\n{STATE_TIPS.get(row.state, '')}"
             return COLUMNS[col].tip
-        if role == Qt.ItemDataRole.TextAlignmentRole:
-            return _alignment(COLUMNS[col])
-        if role == Qt.ItemDataRole.ForegroundRole:
-            if col == STATE and row.state == "preempted":
-                return self.warning
-            if idle and col != CHAT:
-                return self.muted
-        if role == Qt.ItemDataRole.AccessibleTextRole:
+        if role == _ACCESSIBLE:
             return f"{COLUMNS[col].title}: {self._display(row, col)}"
-        if role == Qt.ItemDataRole.UserRole:
-            return row.session_id
-        return None
+        return row.session_id  # UserRole
 
     @staticmethod
     def _display(row: Row, col: int) -> str:
@@ -228,6 +266,99 @@ class LegendModel(QAbstractTableModel):
         if col == RATE:
             return f"{row.rate:.1f}" if row.rate >= 0.05 else "–"
         return ""
+
+
+class ChatCellDelegate(QStyledItemDelegate):
+    """The chat column on two lines: colour swatch and title, then the state below it.
+
+    A narrow dock cannot give seven columns enough room for titles; folding the state under
+    the title (the State column stays in the model, hidden in the view) keeps titles legible.
+    """
+
+    def _fonts(self, option: QStyleOptionViewItem) -> tuple[QFont, QFont]:
+        key = option.font.key()
+        if key != self._font_key:
+            small = QFont(option.font)
+            small.setPointSizeF(max(6.5, option.font.pointSizeF() * 0.88))
+            self._font_key, self._font_pair = key, (QFont(option.font), small)
+        return self._font_pair
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._font_key = ""
+        self._font_pair: tuple[QFont, QFont] = (QFont(), QFont())
+
+    def sizeHint(self, option: QStyleOptionViewItem, index: Index) -> QSize:
+        title, small = self._fonts(option)
+        h = QFontMetrics(title).height() + QFontMetrics(small).height() + 8
+        return QSize(120, h)
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: Index) -> None:
+        # Painted directly (no initStyleOption / style.drawControl: they cost more than the
+        # rest of the legend together at 10 Hz); the selection background matches the others.
+        selected = bool(option.state & QStyle.StateFlag.State_Selected)
+        pal = option.palette
+        if selected:
+            painter.fillRect(option.rect, pal.color(QPalette.ColorRole.Highlight))
+        model = index.model()
+        text = model.data(index, Qt.ItemDataRole.DisplayRole) or ""
+        title_font, small_font = self._fonts(option)
+        rect = option.rect.adjusted(6, 3, -4, -3)
+        fg = pal.color(QPalette.ColorRole.HighlightedText if selected else QPalette.ColorRole.Text)
+        sid = model.data(index, Qt.ItemDataRole.UserRole)
+        state_index = model.index(index.row(), STATE)
+        state = model.data(state_index, Qt.ItemDataRole.DisplayRole) or ""
+        state_color = model.data(state_index, Qt.ItemDataRole.ForegroundRole)
+        painter.save()
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        painter.setPen(Qt.PenStyle.NoPen)
+        painter.setBrush(colors.accent_color(str(sid)))
+        fm = QFontMetrics(title_font)
+        painter.drawRoundedRect(QRect(rect.left(), rect.top() + (fm.height() - 10) // 2, 10, 10),
+                                3, 3)
+        text_rect = rect.adjusted(16, 0, 0, 0)
+        painter.setFont(title_font)
+        painter.setPen(fg)
+        painter.drawText(
+            text_rect.adjusted(0, 0, 0, -(rect.height() - fm.height())),
+            int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter),
+            fm.elidedText(str(text), Qt.TextElideMode.ElideRight, text_rect.width()),
+        )
+        painter.setFont(small_font)
+        muted = QColor(state_color) if isinstance(state_color, QColor) else QColor(
+            pal.color(QPalette.ColorRole.PlaceholderText)
+        )
+        painter.setPen(fg if selected else muted)
+        painter.drawText(
+            text_rect.adjusted(0, fm.height(), 0, 0),
+            int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter),
+            state,
+        )
+        painter.restore()
+
+
+class NumberDelegate(QStyledItemDelegate):
+    """Right-aligned numbers painted directly (the default delegate asks the model for a
+    dozen roles and runs the style for every cell: most of the legend's 10 Hz cost)."""
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: Index) -> None:
+        pal = option.palette
+        selected = bool(option.state & QStyle.StateFlag.State_Selected)
+        if selected:
+            painter.fillRect(option.rect, pal.color(QPalette.ColorRole.Highlight))
+            color = pal.color(QPalette.ColorRole.HighlightedText)
+        else:
+            fg = index.model().data(index, Qt.ItemDataRole.ForegroundRole)
+            color = fg if isinstance(fg, QColor) else pal.color(QPalette.ColorRole.Text)
+        painter.save()
+        painter.setFont(option.font)
+        painter.setPen(color)
+        painter.drawText(
+            option.rect.adjusted(2, 0, -6, 0),
+            _RIGHT,
+            str(index.model().data(index, Qt.ItemDataRole.DisplayRole) or ""),
+        )
+        painter.restore()
 
 
 class LegendView(QTableView):
@@ -258,7 +389,9 @@ class LegendView(QTableView):
         self.verticalHeader().hide()
         header = self.horizontalHeader()
         header.setHighlightSections(False)
-        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        # fixed widths from the font, not ResizeToContents: that mode re-measures every cell
+        # on each dataChanged, thousands of data() calls per 10 Hz refresh
+        header.setSectionResizeMode(QHeaderView.ResizeMode.Fixed)
         header.setSectionResizeMode(CHAT, QHeaderView.ResizeMode.Stretch)
         header.setMinimumSectionSize(30)
         self.setFrameShape(QTableView.Shape.NoFrame)
@@ -266,7 +399,17 @@ class LegendView(QTableView):
         font.setPointSizeF(max(7.0, font.pointSizeF() * 0.9))
         self.setFont(font)
         header.setFont(font)
-        self.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 7)
+        self._size_columns()
+        self.setItemDelegateForColumn(CHAT, ChatCellDelegate(self))
+        self._numbers = NumberDelegate(self)
+        for col in _SAMPLES:
+            self.setItemDelegateForColumn(col, self._numbers)
+        self.setColumnHidden(STATE, True)  # shown under the title by ChatCellDelegate
+        small = QFont(font)
+        small.setPointSizeF(max(6.5, font.pointSizeF() * 0.88))
+        self.verticalHeader().setDefaultSectionSize(
+            self.fontMetrics().height() + QFontMetrics(small).height() + 8
+        )
         self._hovered: str | None = None
         self._selected: str | None = None
         self.clicked.connect(self._clicked)
@@ -274,6 +417,12 @@ class LegendView(QTableView):
         model.rowsInserted.connect(self.fit_rows)
         model.rowsRemoved.connect(self.fit_rows)
         self.fit_rows()
+
+    def _size_columns(self) -> None:
+        fm = QFontMetrics(self.horizontalHeader().font())
+        for col, sample in _SAMPLES.items():
+            width = max(fm.horizontalAdvance(COLUMNS[col].title), fm.horizontalAdvance(sample))
+            self.setColumnWidth(col, width + 14)
 
     def legend_model(self) -> LegendModel:
         model = self.model()

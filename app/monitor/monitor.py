@@ -16,6 +16,7 @@ from PySide6.QtGui import QFont, QPalette
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
+    QSizePolicy,
     QStackedWidget,
     QToolButton,
     QVBoxLayout,
@@ -109,6 +110,7 @@ class MonitorPanel(QWidget):
         self.summary = _small(QLabel(), 0.85)
         self.summary.setObjectName("monitorSummary")
         self.summary.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        self.summary.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         head.addWidget(self.summary, 1)
         self.zoom_label = _small(QLabel(), 0.85)
         self.zoom_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)

@@ -31,8 +31,12 @@ def is_dark(palette: QPalette) -> bool:
 
 
 def mix(a: QColor, b: QColor, amount: float) -> QColor:
-    """`a` moved `amount` of the way toward `b` (opaque)."""
-    return from_rgb32(int(blend(to_rgb32(a), to_rgb32(b), amount)))
+    """`a` moved `amount` of the way toward `b` (opaque; plain ints, called per paint)."""
+    return QColor(
+        round(a.red() + (b.red() - a.red()) * amount),
+        round(a.green() + (b.green() - a.green()) * amount),
+        round(a.blue() + (b.blue() - a.blue()) * amount),
+    )
 
 
 def surface(palette: QPalette) -> QColor:
