@@ -436,3 +436,22 @@ def test_synthetic_pool_keeps_allocator_invariants():
                 held[b] = held.get(b, 0) + 1
         assert all(snap.refcounts[b] == held.get(b, 0) for b in range(snap.num_blocks))
         assert snap.used_blocks + snap.cached_free_blocks + snap.free_blocks == 512
+
+
+def test_a_hidden_panel_keeps_the_timeline_and_catches_up_when_shown(qtbot):
+    from app.monitor import create_monitor
+
+    bridge = _FakeBridge()
+    panel = create_monitor(bridge)
+    qtbot.addWidget(panel)
+    pool = SyntheticPool(256, seed=4)
+    for _ in range(3):
+        pool.step()
+        bridge.snapshotUpdated.emit(pool.snapshot())
+    assert panel.block_map.snapshot is None  # hidden: no map work
+    assert len(panel.timeline.samples) == 3
+    last = pool.snapshot()
+    bridge.snapshotUpdated.emit(last)
+    panel.show()
+    assert panel.block_map.snapshot is last and panel.block_map.flashing_blocks() == {}
+    assert panel.legend_model.rowCount() == len(last.sessions)

@@ -113,12 +113,19 @@ class BlockMap(QWidget):
         """Token ids -> text for tooltips (the engine's public `decode`)."""
         self._decode = decode
 
-    def set_snapshot(self, snap: Any) -> None:
-        """Show a new snapshot; the same object again (an idle engine) costs nothing."""
+    def set_snapshot(
+        self, snap: Any, state: PoolState | None = None, animate: bool = True
+    ) -> None:
+        """Show a new snapshot; the same object again (an idle engine) costs nothing.
+
+        `state` may be passed when the caller already derived it (with this map's
+        `sessions`); `animate=False` skips the flashes (catching up after being hidden).
+        """
         if snap is None or snap is self._snap:
             return
         previous = self._state
-        state = PoolState(snap, self.sessions)
+        if state is None or state.snapshot is not snap:
+            state = PoolState(snap, self.sessions)
         if previous is None or previous.num_blocks != state.num_blocks:
             n = state.num_blocks
             self._last_owner = np.full(n, -1, dtype=np.int32)
@@ -127,7 +134,7 @@ class BlockMap(QWidget):
             self._flash_owner = np.full(n, -1, dtype=np.int32)
             previous = None
             self._grid = None
-        if previous is not None:
+        if previous is not None and animate:
             self._start_flashes(previous, state)
         self._last_owner = np.where(
             state.primary >= 0,
@@ -153,6 +160,10 @@ class BlockMap(QWidget):
     @property
     def snapshot(self) -> Any:
         return self._snap
+
+    @property
+    def state(self) -> PoolState | None:
+        return self._state
 
     @property
     def grid(self) -> Grid | None:
@@ -234,7 +245,9 @@ class BlockMap(QWidget):
             self._palette_version += 1
         highlight = None
         if self._highlight is not None:
-            index = self.sessions.index(self._highlight)
+            index = (
+                self.sessions.index(self._highlight) if self._highlight in self.sessions else -1
+            )
             held = self._state.held_by(index, self.sessions)
             if cells.per_cell > 1:
                 pad = cells.count * cells.per_cell - held.shape[0]

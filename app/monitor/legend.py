@@ -263,8 +263,8 @@ class LegendModel(QAbstractTableModel):
             return f"{row.tokens:,}"
         if col == WASTE:
             return f"{row.waste:,}"
-        if col == RATE:
-            return f"{row.rate:.1f}" if row.rate >= 0.05 else "–"
+        if col == RATE:  # an idle chat shows no speed (the engine's 2 s window lingers)
+            return f"{row.rate:.1f}" if row.rate >= 0.05 and row.state != "finished" else "–"
         return ""
 
 

@@ -74,6 +74,7 @@ class MonitorPanel(QWidget):
         self.directory = directory or ChatDirectory(None, self)
         self._snap: Any = None
         self._counters: PoolCounters | None = None
+        self._state: PoolState | None = None
         self._selected: str | None = None
         self._hovered: str | None = None
         self._build()
@@ -184,7 +185,11 @@ class MonitorPanel(QWidget):
     # ---- snapshots -------------------------------------------------------------------------
 
     def show_snapshot(self, snap: Any) -> None:
-        """Show one snapshot (called at ~10 Hz; an unchanged snapshot only adds a sample)."""
+        """Show one snapshot (called at ~10 Hz; an unchanged snapshot only adds a sample).
+
+        While the dock is hidden only the counters and the timeline keep up (so its history
+        has no hole); the map and the legend catch up when it is shown again.
+        """
         if snap is None:
             self.pages.setCurrentIndex(WAITING)
             return
@@ -193,24 +198,37 @@ class MonitorPanel(QWidget):
             return
         if self.pages.currentIndex() != CONTENT:
             self.pages.setCurrentIndex(CONTENT)
-        self.directory.watch_panes()
-        changed = snap is not self._snap
-        self._snap = snap
-        if changed:
-            self.block_map.set_snapshot(snap)
-            state = self.block_map_state()
-            assert state is not None
-            self._counters = pool_counters(state)
-            self.counters.set_counters(self._counters)
-            self._update_capacity(state)
-            self._update_summary(snap)
-        self.legend_model.update_from(snap, self.directory.title)
+        if snap is not self._snap:
+            self._snap = snap
+            self._state = PoolState(snap, self.block_map.sessions)
+            self._counters = pool_counters(self._state)
+        visible = self.isVisible()
+        if visible:
+            self._present(animate=True)
         c = self._counters
         assert c is not None
         self.timeline.add(c.used, c.cached, c.shared, c.tokens_per_s, c.num_blocks)
 
+    def _present(self, animate: bool) -> None:
+        """Bring the map, legend, counters and summary in line with the latest snapshot."""
+        snap, state, c = self._snap, self._state, self._counters
+        if snap is None or state is None or c is None or not getattr(snap, "paged", True):
+            return
+        self.directory.watch_panes()
+        if self.block_map.snapshot is not snap:
+            self.block_map.set_snapshot(snap, state, animate=animate)
+            self.counters.set_counters(c)
+            self._update_capacity(state)
+            self._update_summary(snap)
+        self.legend_model.update_from(snap, self.directory.title)
+
+    def showEvent(self, event: Any) -> None:
+        super().showEvent(event)
+        self._present(animate=False)
+
     def block_map_state(self) -> PoolState | None:
-        return self.block_map._state
+        """The derived state of the snapshot the map shows (None before the first one)."""
+        return self.block_map.state
 
     def _show_not_paged(self, snap: Any) -> None:
         model = getattr(snap, "model_name", "") or "This model"
