@@ -455,3 +455,17 @@ def test_a_hidden_panel_keeps_the_timeline_and_catches_up_when_shown(qtbot):
     panel.show()
     assert panel.block_map.snapshot is last and panel.block_map.flashing_blocks() == {}
     assert panel.legend_model.rowCount() == len(last.sessions)
+
+
+def test_a_theme_change_recolours_the_map(block_map):
+    from PySide6.QtGui import QColor, QPalette
+
+    block_map.set_snapshot(snapshot(EIGHT))
+    before = block_map.drawn_color(7)  # a free cell
+    dark = QPalette(block_map.palette())
+    for role in (QPalette.ColorRole.Window, QPalette.ColorRole.Base):
+        dark.setColor(role, QColor("#101010"))
+    dark.setColor(QPalette.ColorRole.Text, QColor("#f0f0f0"))
+    block_map.setPalette(dark)
+    after = block_map.drawn_color(7)
+    assert after != before and after.lightness() < 64

@@ -26,7 +26,7 @@ SWATCH = 13  # logical px
 class KeyItem:
     label: str
     tip: str
-    kind: str  # held | partial | shared | two | cached | free
+    kind: str  # held | partial | shared | cached | free
 
 
 ITEMS = (

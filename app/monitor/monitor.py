@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 from PySide6.QtCore import QSize, Qt
-from PySide6.QtGui import QFont, QPalette
+from PySide6.QtGui import QFont, QPainter, QPalette
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
@@ -52,6 +52,23 @@ def _heading(text: str) -> QLabel:
     label.setFont(font)
     label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
     return label
+
+
+class ElidedLabel(QLabel):
+    """A label that shrinks with its dock and ends its text with "…" instead of clipping."""
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(0, super().minimumSizeHint().height())
+
+    def paintEvent(self, event: Any) -> None:
+        p = QPainter(self)
+        p.setPen(self.palette().color(self.foregroundRole()))
+        p.setFont(self.font())
+        text = self.fontMetrics().elidedText(
+            self.text(), Qt.TextElideMode.ElideRight, self.contentsRect().width()
+        )
+        p.drawText(self.contentsRect(), int(self.alignment()), text)
+        p.end()
 
 
 def _small(label: QLabel, scale: float = 0.9) -> QLabel:
@@ -108,10 +125,11 @@ class MonitorPanel(QWidget):
         head = QHBoxLayout()
         head.setSpacing(4)
         head.addWidget(_heading("Block pool"))
-        self.summary = _small(QLabel(), 0.85)
+        self.summary = _small(ElidedLabel(), 0.85)
         self.summary.setObjectName("monitorSummary")
         self.summary.setForegroundRole(QPalette.ColorRole.PlaceholderText)
-        self.summary.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.summary.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        self.summary.setAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
         head.addWidget(self.summary, 1)
         self.zoom_label = _small(QLabel(), 0.85)
         self.zoom_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
@@ -220,6 +238,12 @@ class MonitorPanel(QWidget):
             self.counters.set_counters(c)
             self._update_capacity(state)
             self._update_summary(snap)
+            described = (
+                f"{c.num_blocks:,} blocks: {c.used:,} used ({c.shared:,} shared), "
+                f"{c.cached:,} cached, {c.free:,} free"
+            )
+            if described != self.block_map.accessibleDescription():
+                self.block_map.setAccessibleDescription(described)
         self.legend_model.update_from(snap, self.directory.title)
 
     def showEvent(self, event: Any) -> None:
@@ -254,7 +278,7 @@ class MonitorPanel(QWidget):
     def _update_summary(self, snap: Any) -> None:
         per_block = snap.bytes_per_block / (1024 * 1024)
         text = (
-            f"{snap.num_blocks:,} × {snap.block_size} tokens · "
+            f"{snap.num_blocks:,} × {snap.block_size} tok · "
             f"{fmt_mib(per_block * snap.num_blocks)}"
         )
         if text != self.summary.text():
