@@ -40,13 +40,17 @@ class Palette:
 
 
 def session_tables(
-    accents: list[int], background: int, empty: int, neutral: int
+    accents: list[int], background: int, empty: int, neutral: int, dark: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Solid, pale (empty slots), cached and cached-hatch colours for each session colour."""
+    """Solid, pale (empty slots), cached and cached-hatch colours for each session colour.
+
+    Dimming toward a dark background loses more legibility than toward a light one, so
+    cached blocks keep more of their colour in the dark theme.
+    """
     full = np.array([*accents, neutral], dtype=np.uint32)
     pale = blend(full, empty, 0.62)
-    cached = blend(full, background, 0.62)
-    hatch = blend(full, background, 0.78)
+    cached = blend(full, background, 0.5 if dark else 0.6)
+    hatch = blend(full, background, 0.68 if dark else 0.76)
     return full, pale, cached, hatch
 
 

@@ -131,7 +131,9 @@ class MapKey(QWidget):
         grid = Grid(num_blocks=1, per_cell=1, cols=1, pitch=size, gap=0)
         full = style.to_rgb32(QColor(colors.PALETTE[0]))
         second = style.to_rgb32(QColor(colors.PALETTE[1]))
-        _, pale, cached, hatch = session_tables([full], mp.background, mp.empty, mp.neutral)
+        _, pale, cached, hatch = session_tables(
+            [full], mp.background, mp.empty, mp.neutral, mp.dark
+        )
         images = {}
         for item in ITEMS:
             paint = _swatch_paint(item.kind, size, full, second, int(pale[0]), int(cached[0]),

@@ -57,7 +57,7 @@ def map_palette(palette: QPalette, session_ids: Iterable[str]) -> Palette:
     empty = int(blend(background, to_rgb32(text), 0.075 if dark else 0.065))
     neutral = int(blend(background, to_rgb32(text), 0.45))
     accents = [to_rgb32(colors.accent_color(sid)) for sid in session_ids]
-    full, pale, cached, hatch = session_tables(accents, background, empty, neutral)
+    full, pale, cached, hatch = session_tables(accents, background, empty, neutral, dark)
     return Palette(
         background=background,
         empty=empty,
