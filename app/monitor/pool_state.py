@@ -215,10 +215,8 @@ def aggregate(
     used_slots = folded(np.where(used_b, state.fill, 0)).sum(axis=1).astype(np.int32)
     max_ref = folded(state.refcount).max(axis=1).astype(np.int32)
     dominant, second = _top_two(state, k, count, max(1, n_sessions))
-    cached_owner, _ = _top_two_of(
-        np.where(cached_b, last_owner, -1), np.full(n, -1, dtype=np.int32), k, count,
-        max(1, n_sessions),
-    )
+    # any chat that last held one of the cell's cached blocks will do as its tint
+    cached_owner = folded(np.where(cached_b, last_owner, -1).astype(np.int32), -1).max(axis=1)
     return Cells(
         per_cell=k,
         count=count,
