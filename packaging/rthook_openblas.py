@@ -5,9 +5,10 @@ OpenBLAS makes its matmuls ~30x faster (FACTS.md; from source, scripts/env.sh do
 preload must be in place before the process starts, so the frozen app re-executes itself
 once with LD_PRELOAD set, when the library is installed (``apt-get install
 libopenblas0-openmp``) and nothing is preloaded yet. Measured here with the frozen
-``--self-test``: 8 tokens in 5-13 s with it against 13-17 s without (a loaded 2-core machine);
-prefill gains most. Only the openmp variant: the pthread one aborts at exit after MLX ran in
-a second thread. Set PAGEDCHAT_NO_OPENBLAS=1 to opt out. Does nothing on macOS (Metal).
+``--self-test`` on an idle 2-core machine: prompt + 8 tokens in 1.1-1.2 s with it against
+8.0-8.5 s without (whole self-test 5 s against 12 s). Only the openmp variant: the pthread
+one aborts at exit after MLX ran in a second thread. Set PAGEDCHAT_NO_OPENBLAS=1 to opt out.
+Does nothing on macOS (Metal).
 """
 
 import os
