@@ -19,7 +19,11 @@ from app.records import ChatSettings, SamplingSettings
 
 DEMO_MAX_TOKENS = 48
 DEMO_TIMEOUT_S = 900.0
-SHARED_SYSTEM = "You are a friendly, concise assistant. Answer in a few short sentences."
+SHARED_SYSTEM = (
+    "You are a friendly, concise assistant running locally on this computer. Answer in a few "
+    "short sentences, use plain words, and give one concrete example when it helps the reader "
+    "understand."
+)  # long enough (40+ tokens) that both chats share whole KV blocks of it
 DEMO_CHATS = (
     ("What is a KV cache?", SHARED_SYSTEM, "Explain what a KV cache is in a language model."),
     ("Paged memory haiku", SHARED_SYSTEM, "Write a haiku about sharing memory pages."),
