@@ -21,6 +21,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -249,7 +250,20 @@ def test_make_icon_draws_the_committed_icon(qapp: Any) -> None:
         QImage.Format.Format_ARGB32
     )
     drawn = make_icon.render().convertToFormat(QImage.Format.Format_ARGB32)
-    assert drawn == committed, "resources/icon.png is stale: run packaging/make_icon.py"
+    assert drawn.size() == committed.size()
+
+    def pixels(image: QImage) -> np.ndarray:
+        raw = np.frombuffer(bytes(image.constBits()), dtype=np.uint8)
+        return raw.reshape(image.height(), image.width(), 4).astype(np.int16)
+
+    # Qt's raster engine rounds a handful of antialiased edge pixels differently on different
+    # CPUs (SIMD paths): seen here, 3 of 1M pixels off by one level. A stale icon differs in
+    # whole shapes, so allow only that rounding: at most 2 levels, on at most 0.01% of pixels.
+    diff = np.abs(pixels(drawn) - pixels(committed)).max(axis=2)
+    assert diff.max() <= 2 and (diff > 0).mean() <= 1e-4, (
+        f"resources/icon.png is stale ({(diff > 0).sum()} pixels differ, up to {diff.max()}):"
+        " run packaging/make_icon.py"
+    )
 
 
 # ---- the OpenBLAS runtime hook ------------------------------------------------------------
