@@ -1,0 +1,310 @@
+// Paged attention for PagedChat on NVIDIA GPUs, in the form mx.fast.cuda_kernel takes: kernel
+// BODIES (MLX generates each __global__ signature from the input/output names and turns the
+// template arguments into constexpr values / type aliases at the top of the body).
+// engine/cuda_kernels.py splits this file at the "// ==== kernel: NAME ====" and
+// "// ==== header ====" lines; the text before the first marker (this comment) is not compiled.
+// The same text is compiled on the CPU by the emulation harness (tests/kernel_emulation/
+// cuda_emu.h, see shaders/README.md), so every CI run executes it.
+//
+// The design is the Metal kernel's (paged_attention.metal), with warps for simdgroups:
+// one thread block per (sequence, KV head, partition) serves every query head of that KV head,
+// so each K/V byte is read once; lanes split head_dim and q.k is one warp reduction
+// (__shfl_xor_sync butterfly); fp32 online softmax; warps take the blocks round-robin and are
+// merged through shared memory; long contexts are split into partitions (split-K) merged by
+// paged_attention_reduce. K/V are read straight from the pool through the block table.
+//
+// Prefill: the same kernel takes L query tokens per sequence (q [B, H, L, D]); a thread block
+// then serves QT consecutive query tokens x the G heads of its KV head (R = QT * G rows), each
+// row causal: query token l of L attends to the first context_len - L + 1 + l tokens. K/V are
+// still read from the pool through the block table (no gathered copy), once per block for all
+// R rows.
+//
+// Pool layout: k_pool, v_pool [num_blocks, BS, num_kv_heads, D], head_dim contiguous.
+
+// ==== header ====
+// Conversions through the CUDA intrinsics (independent of __CUDA_NO_HALF_CONVERSIONS__).
+__device__ __forceinline__ float pc_f32(float x) { return x; }
+__device__ __forceinline__ float pc_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float pc_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename O>
+__device__ __forceinline__ O pc_cast(float x);
+template <>
+__device__ __forceinline__ float pc_cast<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half pc_cast<__half>(float x) { return __float2half(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 pc_cast<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+
+// Warp-wide reductions (every lane gets the result). The whole warp takes part: callers keep
+// them in warp-uniform control flow.
+__device__ __forceinline__ float pc_warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  return v;
+}
+__device__ __forceinline__ float pc_warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  }
+  return v;
+}
+
+// ==== kernel: paged_attention ====
+//   inputs:  q [B, H, L, D] T; k_pool, v_pool [NB, BS, KVH, D] T; block_tables int32 [B, MB];
+//            context_lens int32 [B] (tokens the LAST query token of each row attends to, its own
+//            included); scale float32 [1]
+//   outputs: out [B, H, L * P, D] O (row ((b * H + h) * L + l) * P + p; P = partitions,
+//            O = T when PART == 0, float for split-K partials, each normalised by its own sum)
+//            stats [B, H, L * P, 2] float: (max score, softmax denominator) per row
+//   template: T, O, D (head dim), BS (block size), G (query heads per KV head), QT (query tokens
+//             per thread block), NW (warps per block), PART (tokens per partition; 0 = all)
+//   grid (32 * NW * P, KVH, B * ceil(L / QT)) threads, block (32 * NW, 1, 1)
+constexpr int WARP = 32;
+constexpr unsigned FULL = 0xffffffffu;
+constexpr int EPL = (D + WARP - 1) / WARP;  // head-dim elements per lane
+constexpr bool FULL_LANES = D == EPL * WARP;  // no lane holds elements past D
+constexpr int R = QT * G;  // rows of this block: row r = query token r / G, head r % G
+constexpr float NEG = -1.0e30f;  // finite "minus infinity": no inf arithmetic under fast math
+static_assert(BS >= 1 && BS <= WARP, "block size: at most one token per lane");
+static_assert(PART % BS == 0, "a partition holds whole blocks");
+static_assert(NW >= 1 && NW * WARP <= 1024, "block size");
+static_assert(QT >= 1 && (QT == 1 || PART == 0), "prefill rows are never split");
+
+__shared__ float sm_ml[NW > 1 ? NW * R * 2 : 1];   // per (warp, row): max, sum
+__shared__ float sm_acc[NW > 1 ? NW * R * D : 1];  // per (warp, row): unnormalised output
+
+const int lane = int(threadIdx.x) & (WARP - 1);
+const int warp = int(threadIdx.x) / WARP;
+const int part = int(blockIdx.x);
+const int num_parts = int(gridDim.x);
+const int kvh = int(blockIdx.y);
+const int L = q_shape[2];
+const int tiles = (L + QT - 1) / QT;
+const int b = int(blockIdx.z) / tiles;
+const int l0 = (int(blockIdx.z) - b * tiles) * QT;
+const int KVH = k_pool_shape[2];
+const int H = KVH * G;
+const int MB = block_tables_shape[1];
+const int ctx = context_lens[b];
+const float sc = scale[0];
+
+// Query token l0 + qi attends to tokens [0, lim[qi]); tokens past L get none.
+int lim[QT];
+for (int qi = 0; qi < QT; ++qi) {
+  lim[qi] = l0 + qi < L ? ctx - L + 1 + l0 + qi : 0;
+}
+const int need = lim[min(QT, L - l0) - 1];  // the block's last real query token sees most
+const int tok_begin = part * PART;
+if (tok_begin >= need) {
+  return;  // the whole block: this partition lies past the end of sequence b
+}
+const int tok_end = PART > 0 ? min(need, tok_begin + PART) : need;
+const int blk_begin = tok_begin / BS;
+const int blk_end = (tok_end + BS - 1) / BS;
+
+// q of the R rows, scaled, in fp32 registers.
+float qv[R][EPL];
+for (int r = 0; r < R; ++r) {
+  const int qi = r / G;
+  const int g = r - qi * G;
+  const int l = min(l0 + qi, L - 1);
+  const T* qh = q + ((size_t(b) * H + size_t(kvh) * G + g) * L + l) * D;
+  for (int i = 0; i < EPL; ++i) {
+    const int d = lane * EPL + i;
+    qv[r][i] = (FULL_LANES || d < D) ? pc_f32(qh[d]) * sc : 0.0f;
+  }
+}
+
+float m[R];
+float l[R];
+float acc[R][EPL];
+for (int r = 0; r < R; ++r) {
+  m[r] = NEG;
+  l[r] = 0.0f;
+  for (int i = 0; i < EPL; ++i) {
+    acc[r][i] = 0.0f;
+  }
+}
+
+const size_t tok_stride = size_t(KVH) * D;  // elements between two slots of a block
+const size_t blk_stride = size_t(BS) * tok_stride;
+const T* k_head = k_pool + size_t(kvh) * D + lane * EPL;
+const T* v_head = v_pool + size_t(kvh) * D + lane * EPL;
+const int* table = block_tables + size_t(b) * MB;
+
+for (int base = blk_begin + warp; base < blk_end; base += WARP * NW) {
+  // This warp's next blocks are base, base + NW, ...: lane j reads the table entry of the j-th
+  // (one coalesced read, each entry read once) and __shfl_sync hands it out.
+  const int my_blk = base + lane * NW;
+  const int my_entry = my_blk < blk_end ? table[my_blk] : 0;
+  const int nblk = min(WARP, (blk_end - base + NW - 1) / NW);
+  for (int j = 0; j < nblk; ++j) {
+    const int blk = base + j * NW;
+    const int phys = __shfl_sync(FULL, my_entry, j);
+    const int tok0 = blk * BS;
+    const int ntok = min(BS, tok_end - tok0);
+    const T* kb = k_head + size_t(phys) * blk_stride;
+    const T* vb = v_head + size_t(phys) * blk_stride;
+
+    // Scores: lane t keeps the score of token t of the block, per row.
+    float s[R];
+    for (int r = 0; r < R; ++r) {
+      s[r] = NEG;
+    }
+    // Constant trip count (unrollable: the loads of a block can be in flight together); the
+    // guard is warp-uniform.
+    for (int t = 0; t < BS; ++t) {
+      if (t < ntok) {
+        float kr[EPL];
+        for (int i = 0; i < EPL; ++i) {
+          kr[i] = (FULL_LANES || lane * EPL + i < D) ? pc_f32(kb[t * tok_stride + i]) : 0.0f;
+        }
+        for (int r = 0; r < R; ++r) {
+          float qk = 0.0f;
+          for (int i = 0; i < EPL; ++i) {
+            qk += qv[r][i] * kr[i];
+          }
+          qk = pc_warp_sum(qk);
+          s[r] = lane == t ? qk : s[r];
+        }
+      }
+    }
+
+    // Online softmax, once per block: new max, rescale, probabilities (lane t: token t).
+    for (int r = 0; r < R; ++r) {
+      const bool valid = lane < ntok && tok0 + lane < lim[r / G];
+      const float m_new = fmaxf(m[r], pc_warp_max(valid ? s[r] : NEG));
+      const float alpha = __expf(m[r] - m_new);
+      const float p = valid ? __expf(s[r] - m_new) : 0.0f;
+      l[r] = l[r] * alpha + pc_warp_sum(p);
+      m[r] = m_new;
+      for (int i = 0; i < EPL; ++i) {
+        acc[r][i] *= alpha;
+      }
+      s[r] = p;
+    }
+
+    for (int t = 0; t < BS; ++t) {
+      if (t < ntok) {
+        float vr[EPL];
+        for (int i = 0; i < EPL; ++i) {
+          vr[i] = (FULL_LANES || lane * EPL + i < D) ? pc_f32(vb[t * tok_stride + i]) : 0.0f;
+        }
+        for (int r = 0; r < R; ++r) {
+          const float pt = __shfl_sync(FULL, s[r], t);
+          for (int i = 0; i < EPL; ++i) {
+            acc[r][i] += pt * vr[i];
+          }
+        }
+      }
+    }
+  }
+}
+
+// Output row of (query token l0 + qi, head kvh * G + g, this partition).
+#define PC_ROW(qi, g) \
+  (((size_t(b) * H + size_t(kvh) * G + (g)) * L + l0 + (qi)) * num_parts + part)
+if (NW == 1) {
+  for (int r = 0; r < R; ++r) {
+    const int qi = r / G;
+    const int g = r - qi * G;
+    if (l0 + qi >= L) {
+      continue;
+    }
+    const size_t row = PC_ROW(qi, g);
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int i = 0; i < EPL; ++i) {
+      const int d = lane * EPL + i;
+      if (FULL_LANES || d < D) {
+        out[row * D + d] = pc_cast<O>(acc[r][i] * inv);
+      }
+    }
+    if (lane == 0) {
+      stats[row * 2] = m[r];
+      stats[row * 2 + 1] = l[r];
+    }
+  }
+  return;
+}
+
+// Merge the warps' partial softmax states through shared memory.
+for (int r = 0; r < R; ++r) {
+  if (lane == 0) {
+    sm_ml[(warp * R + r) * 2] = m[r];
+    sm_ml[(warp * R + r) * 2 + 1] = l[r];
+  }
+  for (int i = 0; i < EPL; ++i) {
+    const int d = lane * EPL + i;
+    if (FULL_LANES || d < D) {
+      sm_acc[(warp * R + r) * D + d] = acc[r][i];
+    }
+  }
+}
+__syncthreads();
+
+for (int idx = int(threadIdx.x); idx < R * D; idx += NW * WARP) {
+  const int r = idx / D;
+  const int d = idx - r * D;
+  const int qi = r / G;
+  const int g = r - qi * G;
+  if (l0 + qi >= L) {
+    continue;
+  }
+  float M = NEG;
+  for (int w = 0; w < NW; ++w) {
+    M = fmaxf(M, sm_ml[(w * R + r) * 2]);
+  }
+  float Lsum = 0.0f;
+  float o = 0.0f;
+  for (int w = 0; w < NW; ++w) {
+    const float lw = sm_ml[(w * R + r) * 2 + 1];
+    const float wt = lw > 0.0f ? __expf(sm_ml[(w * R + r) * 2] - M) : 0.0f;
+    Lsum += wt * lw;
+    o += wt * sm_acc[(w * R + r) * D + d];
+  }
+  const size_t row = PC_ROW(qi, g);
+  out[row * D + d] = pc_cast<O>(Lsum > 0.0f ? o / Lsum : 0.0f);
+  if (d == 0) {
+    stats[row * 2] = M;
+    stats[row * 2 + 1] = Lsum;
+  }
+}
+#undef PC_ROW
+
+// ==== kernel: paged_attention_reduce ====
+// Split-K reduce (decode, one query token per sequence): merges the partitions written by
+// paged_attention with PART > 0.
+//   inputs:  part_out [B, H, P, D] float (each row normalised by its own sum);
+//            part_stats [B, H, P, 2] float (max score, sum); context_lens int32 [B]
+//   outputs: out [B, H, 1, D] T
+//   template: T, D, PART
+//   grid (32, H, B) threads, block (32, 1, 1): one warp per (sequence, head); lanes split D.
+constexpr float NEG = -1.0e30f;
+const int lane = int(threadIdx.x);
+const int h = int(blockIdx.y);
+const int b = int(blockIdx.z);
+const int H = part_out_shape[1];
+const int P = part_out_shape[2];
+const int np = min(P, (context_lens[b] + PART - 1) / PART);  // partitions holding tokens of b
+const size_t row0 = (size_t(b) * H + h) * P;
+
+float M = NEG;
+for (int p = 0; p < np; ++p) {
+  M = fmaxf(M, part_stats[(row0 + p) * 2]);
+}
+float Lsum = 0.0f;
+for (int p = 0; p < np; ++p) {
+  Lsum += __expf(part_stats[(row0 + p) * 2] - M) * part_stats[(row0 + p) * 2 + 1];
+}
+const float inv = 1.0f / Lsum;
+for (int d = lane; d < D; d += 32) {
+  float o = 0.0f;
+  for (int p = 0; p < np; ++p) {
+    const float w = __expf(part_stats[(row0 + p) * 2] - M) * part_stats[(row0 + p) * 2 + 1];
+    o += w * part_out[(row0 + p) * D + d];
+  }
+  out[(size_t(b) * H + h) * D + d] = pc_cast<T>(o * inv);
+}
