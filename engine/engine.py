@@ -264,7 +264,7 @@ class Engine:
             num_blocks=num_blocks,
             bytes_per_block=self.pool.bytes_per_block,
             paged=True,
-            attention="metal-kernel" if use_kernel else "reference",
+            attention=(attention.kernel_path() or "reference") if use_kernel else "reference",
         )
         self._maybe_snapshot(force=True)
 

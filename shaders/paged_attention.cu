@@ -177,8 +177,8 @@ for (int base = blk_begin + warp; base < blk_end; base += WARP * NW) {
     for (int r = 0; r < R; ++r) {
       const bool valid = lane < ntok && tok0 + lane < lim[r / G];
       const float m_new = fmaxf(m[r], pc_warp_max(valid ? s[r] : NEG));
-      const float alpha = __expf(m[r] - m_new);
-      const float p = valid ? __expf(s[r] - m_new) : 0.0f;
+      const float alpha = expf(m[r] - m_new);
+      const float p = valid ? expf(s[r] - m_new) : 0.0f;
       l[r] = l[r] * alpha + pc_warp_sum(p);
       m[r] = m_new;
       for (int i = 0; i < EPL; ++i) {
@@ -261,7 +261,7 @@ for (int idx = int(threadIdx.x); idx < R * D; idx += NW * WARP) {
   float o = 0.0f;
   for (int w = 0; w < NW; ++w) {
     const float lw = sm_ml[(w * R + r) * 2 + 1];
-    const float wt = lw > 0.0f ? __expf(sm_ml[(w * R + r) * 2] - M) : 0.0f;
+    const float wt = lw > 0.0f ? expf(sm_ml[(w * R + r) * 2] - M) : 0.0f;
     Lsum += wt * lw;
     o += wt * sm_acc[(w * R + r) * D + d];
   }
@@ -297,13 +297,13 @@ for (int p = 0; p < np; ++p) {
 }
 float Lsum = 0.0f;
 for (int p = 0; p < np; ++p) {
-  Lsum += __expf(part_stats[(row0 + p) * 2] - M) * part_stats[(row0 + p) * 2 + 1];
+  Lsum += expf(part_stats[(row0 + p) * 2] - M) * part_stats[(row0 + p) * 2 + 1];
 }
 const float inv = 1.0f / Lsum;
 for (int d = lane; d < D; d += 32) {
   float o = 0.0f;
   for (int p = 0; p < np; ++p) {
-    const float w = __expf(part_stats[(row0 + p) * 2] - M) * part_stats[(row0 + p) * 2 + 1];
+    const float w = expf(part_stats[(row0 + p) * 2] - M) * part_stats[(row0 + p) * 2 + 1];
     o += w * part_out[(row0 + p) * D + d];
   }
   out[(size_t(b) * H + h) * D + d] = pc_cast<T>(o * inv);

@@ -170,9 +170,9 @@ def run_plan(
     return results
 
 
-def plan_sources(plan: list[Launch]) -> list[str]:
-    """The emulator programs a plan needs (intermediate shapes come from output_shapes)."""
-    sources = []
+def plan_specs(plan: list[Launch]) -> list[list[gen.ArgSpec]]:
+    """Each launch's input specs (intermediate shapes come from output_shapes)."""
+    specs_per_launch = []
     shapes: list[list[gen.ArgSpec]] = []
     for launch in plan:
         specs = [
@@ -187,5 +187,13 @@ def plan_sources(plan: list[Launch]) -> list[str]:
                 for s, d in zip(launch.output_shapes, launch.output_dtypes, strict=True)
             ]
         )
-        sources.append(emulator_source(launch.kernel, specs, launch.output_dtypes, launch.template))
-    return sources
+        specs_per_launch.append(specs)
+    return specs_per_launch
+
+
+def plan_sources(plan: list[Launch]) -> list[str]:
+    """The emulator programs a plan needs."""
+    return [
+        emulator_source(launch.kernel, specs, launch.output_dtypes, launch.template)
+        for launch, specs in zip(plan, plan_specs(plan), strict=True)
+    ]
