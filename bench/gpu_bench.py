@@ -74,6 +74,9 @@ def loaded_model(model, tokenizer, name: str, dtype: mx.Dtype):
                        model_type="llama", max_context=8192, dtype=dtype)
 
 
+PREFILL_CHUNK = 2048  # prompt tokens per engine step (the app's default is 256)
+
+
 def start_engine(loaded, max_batch: int, kv_mib: float, attention_mode: str = "auto"):
     """An Engine serving ``loaded`` (its loader is pointed at the in-memory model)."""
     import engine.engine as engine_module
@@ -81,7 +84,8 @@ def start_engine(loaded, max_batch: int, kv_mib: float, attention_mode: str = "a
 
     engine_module.load_model = lambda spec, quantized=None: loaded
     eng = Engine(EngineConfig(kv_memory_mib=kv_mib, block_size=BLOCK_SIZE,
-                              max_batch=max_batch, attention=attention_mode))
+                              max_batch=max_batch, attention=attention_mode,
+                              prefill_chunk=PREFILL_CHUNK))
     eng.start()
     if not eng.wait_ready():
         raise SystemExit(f"engine failed to load: {eng.load_error}")
@@ -95,9 +99,13 @@ def engine_generate(eng, prompts: list[list[int]], max_tokens: int):
     start = time.perf_counter()
     handles = [eng.submit(prompt_tokens=p, params=params, session_id=f"b-{i}")
                for i, p in enumerate(prompts)]
-    finals = [h.result()[0] for h in handles]
+    for h in handles:
+        h.result()
     elapsed = time.perf_counter() - start
-    return elapsed, [list(f.token_ids) for f in finals]
+    from engine.events import TokenEvent
+
+    tokens = [[t for e in h if isinstance(e, TokenEvent) for t in e.token_ids] for h in handles]
+    return elapsed, tokens
 
 
 def mlx_generate(loaded, prompts: list[list[int]], max_tokens: int):
@@ -348,7 +356,8 @@ def main(argv: list[str] | None = None) -> None:
                          gen_tokens=gen, throughput=[], attention=[],
                          agreement=(0, 0, "not run"), mixed=None,
                          note=f"prompts {prompt_len} tokens, {gen} greedy tokens, "
-                              f"block size {BLOCK_SIZE}, mlx {mx.__version__}")
+                              f"block size {BLOCK_SIZE}, engine prefill chunk {PREFILL_CHUNK}, "
+                              f"mlx {mx.__version__}")
     t0 = time.perf_counter()
 
     def save():

@@ -22,6 +22,10 @@
 // Pool layout: k_pool, v_pool [num_blocks, BS, num_kv_heads, D], head_dim contiguous.
 
 // ==== header ====
+#ifndef CUDA_EMU  // MLX's default header includes them already; the emulator defines the types
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
 // Conversions through the CUDA intrinsics (independent of __CUDA_NO_HALF_CONVERSIONS__).
 __device__ __forceinline__ float pc_f32(float x) { return x; }
 __device__ __forceinline__ float pc_f32(__half x) { return __half2float(x); }
