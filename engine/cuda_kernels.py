@@ -35,7 +35,7 @@ from engine.kernels import (
 
 CUDA_SHADER_PATH = _shaders_root() / "shaders" / "paged_attention.cu"
 
-MAX_ROWS = 16  # query rows (query tokens x heads of a group) per block: register arrays
+MAX_ROWS = 8  # prefill rows (query tokens x heads of a group) per block: registers (q, output)
 MAX_WARPS = 4  # warps per thread block
 SHARED_BUDGET = 32768  # bytes of static shared memory for the cross-warp merge (limit 48 KiB)
 SPLIT_BELOW_BLOCKS = 264  # fewer (sequence, KV head) blocks than 2 per SM of an H100/H200
@@ -290,6 +290,61 @@ def run_plan(plan: list[Launch], verbose: bool = False) -> list[list[mx.array]]:
     return results
 
 
+@dataclass(frozen=True)
+class _CachedLaunch:
+    kernel: object  # the mx.fast.cuda_kernel
+    template: list
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shapes: list
+    output_dtypes: list
+
+
+_plan_cache: dict[tuple, list[_CachedLaunch]] = {}
+
+
+def _attend(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+) -> mx.array:
+    """Run the plan for these shapes. The plan (validation, geometry, kernel objects) is built
+    once per shape family; later calls only pass arrays: an engine step calls this once per
+    layer, so its Python cost is paid tens of times per token."""
+    if block_tables.dtype != mx.int32:
+        block_tables = block_tables.astype(mx.int32)
+    if context_lens.dtype != mx.int32:
+        context_lens = context_lens.astype(mx.int32)
+    key = (q.shape, q.dtype, k_pool.shape, k_pool.dtype, v_pool.shape, v_pool.dtype,
+           block_tables.shape, context_lens.shape)
+    cached = _plan_cache.get(key)
+    if cached is None:
+        plan = plan_attention(q, k_pool, v_pool, block_tables, context_lens, scale)
+        cached = [
+            _CachedLaunch(kernel_object(x.kernel), list(x.template), x.grid, x.threadgroup,
+                          [list(o) for o in x.output_shapes], list(x.output_dtypes))
+            for x in plan
+        ]
+        _plan_cache[key] = cached
+    first = cached[0]
+    outs = first.kernel(
+        inputs=[q, k_pool, v_pool, block_tables, context_lens, _scale_array(float(scale))],
+        template=first.template, grid=first.grid, threadgroup=first.threadgroup,
+        output_shapes=first.output_shapes, output_dtypes=first.output_dtypes,
+    )
+    if len(cached) == 1:
+        return outs[0]
+    second = cached[1]
+    return second.kernel(
+        inputs=[outs[0], outs[1], context_lens],
+        template=second.template, grid=second.grid, threadgroup=second.threadgroup,
+        output_shapes=second.output_shapes, output_dtypes=second.output_dtypes,
+    )[0]
+
+
 def paged_decode_cuda(
     q: mx.array,
     k_pool: mx.array,
@@ -299,7 +354,7 @@ def paged_decode_cuda(
     scale: float,
 ) -> mx.array:
     """``engine.attention.reference_decode`` on the CUDA kernel: [B, H, 1, D]."""
-    return run_plan(plan_attention(q, k_pool, v_pool, block_tables, context_lens, scale))[-1][0]
+    return _attend(q, k_pool, v_pool, block_tables, context_lens, scale)
 
 
 def paged_prefill_cuda(
@@ -312,5 +367,4 @@ def paged_prefill_cuda(
 ) -> mx.array:
     """``engine.attention.reference_prefill`` on the CUDA kernel: q [1, H, L, D] -> same."""
     lens = mx.array([context_len], dtype=mx.int32)
-    plan = plan_attention(q, k_pool, v_pool, block_table.reshape(1, -1), lens, scale)
-    return run_plan(plan)[-1][0]
+    return _attend(q, k_pool, v_pool, block_table.reshape(1, -1), lens, scale)

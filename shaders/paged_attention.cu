@@ -8,9 +8,9 @@
 //
 // The design is the Metal kernel's (paged_attention.metal), with warps for simdgroups:
 // one thread block per (sequence, KV head, partition) serves every query head of that KV head,
-// so each K/V byte is read once; lanes split head_dim and q.k is one warp reduction
-// (__shfl_xor_sync butterfly); fp32 online softmax; warps take the blocks round-robin and are
-// merged through shared memory; long contexts are split into partitions (split-K) merged by
+// so each K/V byte is read once; a lane group takes a token, its lanes split head_dim (16-byte
+// loads) and q.k is a short __shfl_xor_sync butterfly; fp32 online softmax; warps take the blocks
+// round-robin and are merged through shared memory; long contexts are split into partitions (split-K) merged by
 // paged_attention_reduce. K/V are read straight from the pool through the block table.
 //
 // Prefill: the same kernel takes L query tokens per sequence (q [B, H, L, D]); a thread block
@@ -41,19 +41,24 @@ __device__ __forceinline__ __nv_bfloat16 pc_cast<__nv_bfloat16>(float x) {
   return __float2bfloat16(x);
 }
 
-// Warp-wide reductions (every lane gets the result). The whole warp takes part: callers keep
-// them in warp-uniform control flow.
-__device__ __forceinline__ float pc_warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) {
-    v += __shfl_xor_sync(0xffffffffu, v, o);
+// VEC consecutive head-dim elements of one K or V row as fp32: one 16-byte load for fp16 and
+// bf16, two for fp32 (rows start at multiples of 8 elements: D is a multiple of 8).
+constexpr int PC_VEC = 8;
+template <typename T>
+__device__ __forceinline__ void pc_load_vec(const T* p, float (&o)[PC_VEC]) {
+  if constexpr (sizeof(T) == 2) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    T h[PC_VEC];
+    memcpy(h, &raw, sizeof(raw));
+    for (int i = 0; i < PC_VEC; ++i) {
+      o[i] = pc_f32(h[i]);
+    }
+  } else {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+    o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
   }
-  return v;
-}
-__device__ __forceinline__ float pc_warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  }
-  return v;
 }
 
 // ==== kernel: paged_attention ====
@@ -66,13 +71,21 @@ __device__ __forceinline__ float pc_warp_max(float v) {
 //   template: T, O, D (head dim), BS (block size), G (query heads per KV head), QT (query tokens
 //             per thread block), NW (warps per block), PART (tokens per partition; 0 = all)
 //   grid (32 * NW * P, KVH, B * ceil(L / QT)) threads, block (32 * NW, 1, 1)
+// Work split: a warp is TPW lane groups of TPT lanes; a group takes one token of the block at a
+// time, its lane `sub` holds head-dim elements [sub * VEC, sub * VEC + VEC) (16-byte loads, a
+// row read by the group in one coalesced access), q.k is a log2(TPT)-step xor reduction inside
+// the group. Each group keeps its own fp32 online softmax (max, sum, output) per row over the
+// tokens it saw; the groups of a warp are merged with shuffles, the warps through shared memory.
 constexpr int WARP = 32;
 constexpr unsigned FULL = 0xffffffffu;
-constexpr int EPL = (D + WARP - 1) / WARP;  // head-dim elements per lane
-constexpr bool FULL_LANES = D == EPL * WARP;  // no lane holds elements past D
+constexpr int VEC = PC_VEC;  // head-dim elements per lane
+constexpr int USED = D / VEC;  // lanes of a group holding elements (8, 10, 12, 16)
+constexpr int TPT = USED <= 8 ? 8 : 16;  // lanes per token (a power of two)
+constexpr int TPW = WARP / TPT;  // tokens a warp works on at once
 constexpr int R = QT * G;  // rows of this block: row r = query token r / G, head r % G
 constexpr float NEG = -1.0e30f;  // finite "minus infinity": no inf arithmetic under fast math
-static_assert(BS >= 1 && BS <= WARP, "block size: at most one token per lane");
+static_assert(D % VEC == 0 && USED <= 16, "head dim: a multiple of 8, at most 128");
+static_assert(BS % TPW == 0 && BS <= WARP, "block size");
 static_assert(PART % BS == 0, "a partition holds whole blocks");
 static_assert(NW >= 1 && NW * WARP <= 1024, "block size");
 static_assert(QT >= 1 && (QT == 1 || PART == 0), "prefill rows are never split");
@@ -82,6 +95,9 @@ __shared__ float sm_acc[NW > 1 ? NW * R * D : 1];  // per (warp, row): unnormali
 
 const int lane = int(threadIdx.x) & (WARP - 1);
 const int warp = int(threadIdx.x) / WARP;
+const int grp = lane / TPT;  // which token of a step this lane's group takes
+const int sub = lane - grp * TPT;  // which VEC elements of the row this lane holds
+const bool holds = sub < USED;
 const int part = int(blockIdx.x);
 const int num_parts = int(gridDim.x);
 const int kvh = int(blockIdx.y);
@@ -109,34 +125,33 @@ const int tok_end = PART > 0 ? min(need, tok_begin + PART) : need;
 const int blk_begin = tok_begin / BS;
 const int blk_end = (tok_end + BS - 1) / BS;
 
-// q of the R rows, scaled, in fp32 registers.
-float qv[R][EPL];
+// q of the R rows (this lane's elements), scaled, in fp32 registers.
+float qv[R][VEC];
 for (int r = 0; r < R; ++r) {
   const int qi = r / G;
   const int g = r - qi * G;
   const int l = min(l0 + qi, L - 1);
-  const T* qh = q + ((size_t(b) * H + size_t(kvh) * G + g) * L + l) * D;
-  for (int i = 0; i < EPL; ++i) {
-    const int d = lane * EPL + i;
-    qv[r][i] = (FULL_LANES || d < D) ? pc_f32(qh[d]) * sc : 0.0f;
+  const T* qh = q + ((size_t(b) * H + size_t(kvh) * G + g) * L + l) * D + sub * VEC;
+  for (int i = 0; i < VEC; ++i) {
+    qv[r][i] = holds ? pc_f32(qh[i]) * sc : 0.0f;
   }
 }
 
 float m[R];
 float l[R];
-float acc[R][EPL];
+float acc[R][VEC];
 for (int r = 0; r < R; ++r) {
   m[r] = NEG;
   l[r] = 0.0f;
-  for (int i = 0; i < EPL; ++i) {
+  for (int i = 0; i < VEC; ++i) {
     acc[r][i] = 0.0f;
   }
 }
 
 const size_t tok_stride = size_t(KVH) * D;  // elements between two slots of a block
 const size_t blk_stride = size_t(BS) * tok_stride;
-const T* k_head = k_pool + size_t(kvh) * D + lane * EPL;
-const T* v_head = v_pool + size_t(kvh) * D + lane * EPL;
+const T* k_head = k_pool + size_t(kvh) * D + sub * VEC;
+const T* v_head = v_pool + size_t(kvh) * D + sub * VEC;
 const int* table = block_tables + size_t(b) * MB;
 
 for (int base = blk_begin + warp; base < blk_end; base += WARP * NW) {
@@ -152,58 +167,57 @@ for (int base = blk_begin + warp; base < blk_end; base += WARP * NW) {
     const int ntok = min(BS, tok_end - tok0);
     const T* kb = k_head + size_t(phys) * blk_stride;
     const T* vb = v_head + size_t(phys) * blk_stride;
-
-    // Scores: lane t keeps the score of token t of the block, per row.
-    float s[R];
-    for (int r = 0; r < R; ++r) {
-      s[r] = NEG;
-    }
-    // Constant trip count (unrollable: the loads of a block can be in flight together); the
-    // guard is warp-uniform.
-    for (int t = 0; t < BS; ++t) {
-      if (t < ntok) {
-        float kr[EPL];
-        for (int i = 0; i < EPL; ++i) {
-          kr[i] = (FULL_LANES || lane * EPL + i < D) ? pc_f32(kb[t * tok_stride + i]) : 0.0f;
+#pragma unroll
+    for (int t0 = 0; t0 < BS; t0 += TPW) {
+      const int t = t0 + grp;  // this group's token of the block
+      const bool live = t < ntok && holds;
+      float kr[VEC];
+      float vr[VEC];
+      if (live) {
+        pc_load_vec(kb + t * tok_stride, kr);
+        pc_load_vec(vb + t * tok_stride, vr);
+      } else {
+        for (int i = 0; i < VEC; ++i) {
+          kr[i] = 0.0f;
+          vr[i] = 0.0f;
         }
-        for (int r = 0; r < R; ++r) {
-          float qk = 0.0f;
-          for (int i = 0; i < EPL; ++i) {
-            qk += qv[r][i] * kr[i];
-          }
-          qk = pc_warp_sum(qk);
-          s[r] = lane == t ? qk : s[r];
+      }
+      for (int r = 0; r < R; ++r) {
+        float s = 0.0f;
+        for (int i = 0; i < VEC; ++i) {
+          s += qv[r][i] * kr[i];
+        }
+        for (int o = TPT / 2; o > 0; o >>= 1) {  // the whole warp shuffles: uniform
+          s += __shfl_xor_sync(FULL, s, o);
+        }
+        const bool valid = t < ntok && tok0 + t < lim[r / G];
+        const float m_new = valid ? fmaxf(m[r], s) : m[r];
+        const float alpha = expf(m[r] - m_new);  // 1 when the max did not move
+        const float p = valid ? expf(s - m_new) : 0.0f;
+        l[r] = l[r] * alpha + p;
+        m[r] = m_new;
+        for (int i = 0; i < VEC; ++i) {
+          acc[r][i] = acc[r][i] * alpha + p * vr[i];
         }
       }
     }
+  }
+}
 
-    // Online softmax, once per block: new max, rescale, probabilities (lane t: token t).
-    for (int r = 0; r < R; ++r) {
-      const bool valid = lane < ntok && tok0 + lane < lim[r / G];
-      const float m_new = fmaxf(m[r], pc_warp_max(valid ? s[r] : NEG));
-      const float alpha = expf(m[r] - m_new);
-      const float p = valid ? expf(s[r] - m_new) : 0.0f;
-      l[r] = l[r] * alpha + pc_warp_sum(p);
-      m[r] = m_new;
-      for (int i = 0; i < EPL; ++i) {
-        acc[r][i] *= alpha;
-      }
-      s[r] = p;
-    }
-
-    for (int t = 0; t < BS; ++t) {
-      if (t < ntok) {
-        float vr[EPL];
-        for (int i = 0; i < EPL; ++i) {
-          vr[i] = (FULL_LANES || lane * EPL + i < D) ? pc_f32(vb[t * tok_stride + i]) : 0.0f;
-        }
-        for (int r = 0; r < R; ++r) {
-          const float pt = __shfl_sync(FULL, s[r], t);
-          for (int i = 0; i < EPL; ++i) {
-            acc[r][i] += pt * vr[i];
-          }
-        }
-      }
+// Merge the TPW lane groups of the warp (xor shuffles across groups; every group ends with the
+// warp's state).
+for (int o = TPT; o < WARP; o <<= 1) {
+  for (int r = 0; r < R; ++r) {
+    const float m_o = __shfl_xor_sync(FULL, m[r], o);
+    const float l_o = __shfl_xor_sync(FULL, l[r], o);
+    const float mm = fmaxf(m[r], m_o);
+    const float a = expf(m[r] - mm);
+    const float c = expf(m_o - mm);
+    l[r] = l[r] * a + l_o * c;
+    m[r] = mm;
+    for (int i = 0; i < VEC; ++i) {
+      const float acc_o = __shfl_xor_sync(FULL, acc[r][i], o);
+      acc[r][i] = acc[r][i] * a + acc_o * c;
     }
   }
 }
@@ -220,10 +234,9 @@ if (NW == 1) {
     }
     const size_t row = PC_ROW(qi, g);
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    for (int i = 0; i < EPL; ++i) {
-      const int d = lane * EPL + i;
-      if (FULL_LANES || d < D) {
-        out[row * D + d] = pc_cast<O>(acc[r][i] * inv);
+    if (grp == 0 && holds) {
+      for (int i = 0; i < VEC; ++i) {
+        out[row * D + sub * VEC + i] = pc_cast<O>(acc[r][i] * inv);
       }
     }
     if (lane == 0) {
@@ -240,10 +253,9 @@ for (int r = 0; r < R; ++r) {
     sm_ml[(warp * R + r) * 2] = m[r];
     sm_ml[(warp * R + r) * 2 + 1] = l[r];
   }
-  for (int i = 0; i < EPL; ++i) {
-    const int d = lane * EPL + i;
-    if (FULL_LANES || d < D) {
-      sm_acc[(warp * R + r) * D + d] = acc[r][i];
+  if (grp == 0 && holds) {
+    for (int i = 0; i < VEC; ++i) {
+      sm_acc[(warp * R + r) * D + sub * VEC + i] = acc[r][i];
     }
   }
 }

@@ -84,7 +84,7 @@ PREFILL_CASES = [
     PrefillCase(4, 2, 64, 16, mx.float32, context=300, chunk=64),  # a chunk after earlier ones
     PrefillCase(1, 2, 128, 8, mx.float16, context=77, chunk=13),  # QT = 8, ragged tile
     PrefillCase(3, 1, 80, 32, mx.bfloat16, context=200, chunk=37, warps=1),
-    PrefillCase(8, 1, 96, 16, mx.float16, context=129, chunk=9),  # QT = 2
+    PrefillCase(8, 1, 96, 16, mx.float16, context=129, chunk=9),  # QT = 1
     PrefillCase(7, 1, 64, 16, mx.bfloat16, context=33, chunk=1),  # a one-token chunk
 ]
 
@@ -159,6 +159,15 @@ def check_decode(case: Case, plan: list, results: list[list[mx.array]]) -> None:
         assert_close(partial[valid], p_out[valid], (1e-5, 1e-5), "split-K partials")
 
 
+def prefill_reference_tol(dtype: mx.Dtype) -> tuple[float, float]:
+    """Tolerance around MLX's own prefill SDPA. On the CUDA backend its fp32 causal path with
+    more keys than queries runs in TF32: on the H200 it was 1.6e-3 off the float64 oracle where
+    the kernel was within 1e-5 (the oracle comparison stays strict)."""
+    if dtype == mx.float32 and cuda_kernels.available():
+        return (5e-3, 5e-3)
+    return REFERENCE_TOL[dtype]
+
+
 def check_prefill(case: PrefillCase, plan: list, results: list[list[mx.array]]) -> None:
     inp = make_inputs(case.pool_case)
     assert len(plan) == 1, "prefill is a single pass"
@@ -169,7 +178,7 @@ def check_prefill(case: PrefillCase, plan: list, results: list[list[mx.array]]) 
     ref = _f64(
         reference_prefill(q, inp.k_pool, inp.v_pool, inp.block_tables[0], case.context, inp.scale)
     )
-    assert_close(out, ref, REFERENCE_TOL[case.dtype], "prefill vs reference_prefill")
+    assert_close(out, ref, prefill_reference_tol(case.dtype), "prefill vs reference_prefill")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,14 +193,19 @@ MUTANT_PREFILL = PrefillCase(4, 2, 64, 16, mx.float32, context=100, chunk=20, wa
 MUTANTS = {
     # query head g of KV head kvh taken as kvh + g * KVH (interleaved instead of grouped)
     "gqa_head_mapping": (
-        "const T* qh = q + ((size_t(b) * H + size_t(kvh) * G + g) * L + l) * D;",
-        "const T* qh = q + ((size_t(b) * H + size_t(kvh) + size_t(g) * KVH) * L + l) * D;",
+        "const T* qh = q + ((size_t(b) * H + size_t(kvh) * G + g) * L + l) * D + sub * VEC;",
+        "const T* qh = q + ((size_t(b) * H + size_t(kvh) + size_t(g) * KVH) * L + l) * D"
+        " + sub * VEC;",
         MUTANT_DECODE,
     ),
     # warps read each other's softmax state before it is written
     "missing_syncthreads": ("__syncthreads();", "", MUTANT_DECODE),
     # the running output is not rescaled when the running max grows
-    "missing_rescale": ("acc[r][i] *= alpha;", "", MUTANT_DECODE),
+    "missing_rescale": (
+        "acc[r][i] = acc[r][i] * alpha + p * vr[i];",
+        "acc[r][i] = acc[r][i] + p * vr[i];",
+        MUTANT_DECODE,
+    ),
     # the last, partially filled block of each partition is skipped
     "dropped_partial_block": (
         "const int blk_end = (tok_end + BS - 1) / BS;",
@@ -382,7 +396,8 @@ def test_cuda_geometry():
     assert g.partitions == 8 and g.partition_tokens == cuda_kernels.PARTITION_TOKENS
     assert cuda_kernels.geometry(64, 8, 4, 128, 16, long_ctx).partitions == 1  # 512 blocks
     g = cuda_kernels.geometry(1, 8, 4, 128, 16, long_ctx, query_len=256)  # prefill
-    assert g.partitions == 1 and g.query_tokens == 4 and g.query_tokens * 4 <= 16
+    assert g.partitions == 1 and g.query_tokens == 2
+    assert g.query_tokens * 4 <= cuda_kernels.MAX_ROWS
     assert cuda_kernels.geometry(1, 8, 1, 64, 16, 8, query_len=3).query_tokens == 3
     g = cuda_kernels.geometry(1, 1, 16, 128, 16, long_ctx, query_len=64)
     assert g.warps * g.query_tokens * 16 * 128 * 4 <= cuda_kernels.SHARED_BUDGET
@@ -454,7 +469,7 @@ def test_cuda_dispatch_through_attention():
     pargs = (q, pinp.k_pool, pinp.v_pool, pinp.block_tables[0], pc.context, pinp.scale)
     out = attention.paged_prefill(*pargs, use_kernel=True)
     ref = attention.paged_prefill(*pargs, use_kernel=False)
-    assert_close(_f64(out), _f64(ref), REFERENCE_TOL[pc.dtype], "paged_prefill kernel path")
+    assert_close(_f64(out), _f64(ref), prefill_reference_tol(pc.dtype), "paged_prefill kernel path")
 
 
 @pytest.mark.cuda
