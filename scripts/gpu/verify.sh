@@ -7,3 +7,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu
 export PYTHONUNBUFFERED=1
 python3 -m pytest -m cuda tests/test_cuda_kernel.py -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT/verify.log" | tail -40
 python3 -m bench.gpu_bench --parts attention --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
+# Hardware counters of the decode kernel (Firecracker machines: ncu works; clocks left alone).
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+if [ -n "$NCU" ] && [ -z "${SKIP_NCU:-}" ]; then
+  timeout 180 "$NCU" --clock-control none --kernel-name regex:paged_attention -c 4 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats \
+    python3 scripts/gpu/profile_attention.py > "$OUT/ncu.txt" 2>&1
+  grep -E "custom_kernel|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Block Size|Grid Size" "$OUT/ncu.txt" | head -60
+fi
