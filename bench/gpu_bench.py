@@ -92,6 +92,66 @@ def start_engine(loaded, max_batch: int, kv_mib: float, attention_mode: str = "a
     return eng
 
 
+class StepProfile:
+    """Where an engine step's time goes, measured from outside the engine: its step, the batch
+    construction (build_step_batch), the model's graph building (PagedModel.forward), the
+    first mx.eval of a step (the forward on the device) and the later ones (sampling); the
+    rest is scheduling and bookkeeping. Installed on the engine module's names, removed after."""
+
+    PARTS = ("step", "batch", "graph", "forward", "sample")
+
+    def __init__(self, eng) -> None:
+        import engine.engine as em
+
+        self.eng, self.em = eng, em
+        self.totals = dict.fromkeys(self.PARTS, 0.0)
+        self.steps = 0
+        self._evals_in_step = 0
+        real_mx, real_build, real_step = em.mx, em.build_step_batch, eng._step
+        real_forward = eng.paged.forward
+        prof = self
+
+        def timed(part, fn):
+            def wrapper(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    prof.totals[part] += time.perf_counter() - t0
+            return wrapper
+
+        class _Mx:
+            def __getattr__(self, name):
+                return getattr(real_mx, name)
+
+            def eval(self, *a):
+                part = "forward" if prof._evals_in_step == 0 else "sample"
+                prof._evals_in_step += 1
+                return timed(part, real_mx.eval)(*a)
+
+        def step():
+            prof._evals_in_step = 0
+            before = prof.totals["forward"]
+            timed("step", real_step)()
+            if prof.totals["forward"] != before:
+                prof.steps += 1
+
+        self._restore = (real_mx, real_build, real_step, real_forward)
+        em.mx = _Mx()
+        em.build_step_batch = timed("batch", real_build)
+        eng._step = step
+        eng.paged.forward = timed("graph", real_forward)
+
+    def close(self) -> dict:
+        real_mx, real_build, _, _ = self._restore
+        self.em.mx, self.em.build_step_batch = real_mx, real_build
+        del self.eng._step, self.eng.paged.forward  # back to the class's methods
+        per = {k: v * 1e3 / max(self.steps, 1) for k, v in self.totals.items()}
+        per["other"] = per["step"] - sum(per[k] for k in self.PARTS[1:])
+        per["steps"] = self.steps
+        return per
+
+
 def engine_generate(eng, prompts: list[list[int]], max_tokens: int):
     from engine import SamplingParams
 
@@ -215,6 +275,7 @@ class ThroughputRow:
     engine_tps: float
     mlx_tps: float
     engine_step_ms: float
+    step_split: dict
 
     @property
     def ratio(self) -> float:
@@ -234,17 +295,20 @@ def throughput(shape_name: str, ns: list[int], prompt_len: int, gen_tokens: int,
             prompts = prompts_for(n, prompt_len, vocab, seed=n)
             engine_generate(eng, prompts, 8)  # warm-up (kernel compiles)
             mlx_generate(loaded, prompts, 8)
-            before = eng.snapshot().counters
             e_time, e_tokens = engine_generate(eng, prompts, gen_tokens)
-            after = eng.snapshot().counters
             m_time, m_tokens = mlx_generate(loaded, prompts, gen_tokens)
             e_tps = sum(map(len, e_tokens)) / e_time
             m_tps = sum(map(len, m_tokens)) / m_time
-            steps = max(1, getattr(after, "steps", 0) - getattr(before, "steps", 0))
-            step_ms = e_time * 1e3 / steps if getattr(after, "steps", None) else float("nan")
-            rows.append(ThroughputRow(shape_name, n, e_tps, m_tps, step_ms))
+            prof = StepProfile(eng)  # a second engine run, profiled (not the timed one)
+            try:
+                engine_generate(eng, prompts, gen_tokens)
+            finally:
+                split = prof.close()
+            rows.append(ThroughputRow(shape_name, n, e_tps, m_tps, e_time * 1e3 / gen_tokens,
+                                      split))
             print(f"[{shape_name}] n={n}: engine {e_tps:.1f} tok/s, batch_generate "
-                  f"{m_tps:.1f} tok/s, ratio {e_tps / m_tps:.2f}x", flush=True)
+                  f"{m_tps:.1f} tok/s, ratio {e_tps / m_tps:.2f}x; step split (ms) "
+                  f"{ {k: round(v, 3) for k, v in split.items()} }", flush=True)
     finally:
         eng.stop()
     del model, loaded
@@ -316,6 +380,18 @@ def report(results: dict) -> str:
         target = 1.0 if r["n"] == 1 else 1.3
         lines.append(f"| {r['shape']} | {r['n']} | {r['engine_tps']:.1f} | {r['mlx_tps']:.1f} | "
                      f"{r['ratio']:.2f}x | >= {target}x | {verdict(r['ratio'] >= target)} |")
+    lines += ["", "Engine step split (profiled second run, ms per step: whole step, batch "
+              "construction, model graph building, forward on the device, sampling, rest = "
+              "scheduling + bookkeeping), and batch_generate's time per generated token step:",
+              "", "| shape | n | step | batch | graph | forward | sample | rest | "
+              "batch_generate step |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+              "| ---: |"]
+    for r in results["throughput"]:
+        sp = r["step_split"]
+        mlx_step = 1e3 * r["n"] / r["mlx_tps"]
+        lines.append(f"| {r['shape']} | {r['n']} | {sp['step']:.2f} | {sp['batch']:.2f} | "
+                     f"{sp['graph']:.2f} | {sp['forward']:.2f} | {sp['sample']:.2f} | "
+                     f"{sp['other']:.2f} | {mlx_step:.2f} |")
     lines += ["", "## Decode attention alone, all layers of one step (median ms)", "",
               "| shape | n | context | paged kernel | contiguous SDPA | gather path | "
               "paged / SDPA | graph build paged / SDPA | K/V GB/s (paged) | max abs err | "
