@@ -317,22 +317,37 @@ def throughput(shape_name: str, ns: list[int], prompt_len: int, gen_tokens: int,
 
 
 def agreement(shape: dict, n: int, prompt_len: int, gen_tokens: int, vocab: int,
-              kv_mib: float) -> tuple[int, int, str]:
-    """fp32 greedy tokens, engine vs batch_generate: sequences equal / n."""
+              kv_mib: float) -> tuple[int, int, str, dict]:
+    """fp32 greedy tokens, engine (kernel path) vs batch_generate: sequences equal / n; also
+    the engine on its reference attention path, to tell kernel error from backend rounding
+    (sequences equal per pair, and where the first differing token of each pair falls)."""
     tokenizer = make_tokenizer(vocab)
     model = make_model(shape, mx.float32, vocab, seed=3)
     loaded = loaded_model(model, tokenizer, "random-fp32", mx.float32)
-    eng = start_engine(loaded, max_batch=n, kv_mib=kv_mib)
-    path = eng.model_info.attention
-    try:
-        prompts = prompts_for(n, prompt_len, vocab, seed=99)
-        _, e_tokens = engine_generate(eng, prompts, gen_tokens)
-    finally:
-        eng.stop()
-    _, m_tokens = mlx_generate(loaded, prompts, gen_tokens)
+    prompts = prompts_for(n, prompt_len, vocab, seed=99)
+    runs = {}
+    path = "?"
+    for mode in ("auto", "reference"):
+        eng = start_engine(loaded, max_batch=n, kv_mib=kv_mib, attention_mode=mode)
+        if mode == "auto":
+            path = eng.model_info.attention
+        try:
+            _, runs[mode] = engine_generate(eng, prompts, gen_tokens)
+        finally:
+            eng.stop()
+    _, runs["mlx"] = mlx_generate(loaded, prompts, gen_tokens)
     del model, loaded
     mx.clear_cache()
-    return sum(a == b for a, b in zip(e_tokens, m_tokens)), n, path
+
+    def compare(a, b):
+        firsts = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None)
+                  for s, t in zip(runs[a], runs[b])]
+        return dict(equal=sum(f is None for f in firsts),
+                    first_diff=[f for f in firsts if f is not None])
+
+    pairs = {"kernel-mlx": compare("auto", "mlx"), "reference-mlx": compare("reference", "mlx"),
+             "kernel-reference": compare("auto", "reference")}
+    return pairs["kernel-mlx"]["equal"], n, path, pairs
 
 
 def mixed(shape: dict, long_len: int, short_len: int, shorts: int, gen_tokens: int,
@@ -405,9 +420,13 @@ def report(results: dict) -> str:
             f"{r.get('sdpa_build_ms', float('nan')):.3f} | {r['paged_GBps']:.0f} | "
             f"{r['max_abs_err']:.2g} | <= 1.2x | "
             f"{verdict(r['paged_over_sdpa'] <= 1.2)} |")
-    eq, n, path = results["agreement"]
-    lines += ["", f"Greedy agreement, fp32 1B-shape weights, {n} sequences: {eq}/{n} equal "
-              f"token for token (engine path {path})."]
+    eq, n, path, pairs = results["agreement"]
+    lines += ["", f"Greedy agreement, fp32 1B-shape weights, {n} sequences x "
+              f"{results.get('agree_tokens', '?')} tokens: {eq}/{n} equal token for token "
+              f"(engine path {path} vs batch_generate). Per pair (equal sequences; first "
+              f"differing token index of the others): "
+              + "; ".join(f"{k} {v['equal']}/{n} {v['first_diff']}" for k, v in pairs.items())
+              + "."]
     m = results["mixed"]
     lines += ["", "## Mixed-length workload (bf16, 1B shape)", "",
               f"One {m['long_len']}-token prompt + {m['shorts']} x {m['short_len']}-token "
@@ -447,7 +466,8 @@ def main(argv: list[str] | None = None) -> None:
 
     results: dict = dict(device=str(mx.default_device()), path=kernel_path() or "reference",
                          gen_tokens=gen, throughput=[], attention=[],
-                         agreement=(0, 0, "not run"), mixed=None,
+                         agreement=(0, 0, "not run", {}), mixed=None,
+                         agree_tokens=agree[3],
                          note=f"prompts {prompt_len} tokens, {gen} greedy tokens, "
                               f"block size {BLOCK_SIZE}, engine prefill chunk {PREFILL_CHUNK}, "
                               f"mlx {mx.__version__}")

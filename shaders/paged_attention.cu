@@ -67,7 +67,7 @@ __device__ __forceinline__ void pc_load_vec(const T* p, float (&o)[PC_VEC]) {
 //            included); scale float32 [1]
 //   outputs: out [B, H, L * P, D] O (row ((b * H + h) * L + l) * P + p; P = partitions,
 //            O = T when PART == 0, float for split-K partials, each normalised by its own sum)
-//            stats [B, H, L * P, 2] float: (max score, softmax denominator) per row
+//            stats [B, H, L * P, 2] float: (max scaled score, softmax denominator) per row
 //   template: T, O, D (head dim), BS (block size), G (query heads per KV head), QT (query tokens
 //             per thread block), NW (warps per block), PART (tokens per partition; 0 = all)
 //   grid (32 * NW * P, KVH, B * ceil(L / QT)) threads, block (32 * NW, 1, 1)
@@ -109,7 +109,11 @@ const int KVH = k_pool_shape[2];
 const int H = KVH * G;
 const int MB = block_tables_shape[1];
 const int ctx = context_lens[b];
-const float sc = scale[0];
+// Scores in base-2 units (q scaled by log2 e): exp2f is one MUFU instruction; the statistics
+// are written back in natural units.
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+const float sc = scale[0] * LOG2E;
 
 // Query token l0 + qi attends to tokens [0, lim[qi]); tokens past L get none.
 int lim[QT];
@@ -192,8 +196,8 @@ for (int base = blk_begin + warp; base < blk_end; base += WARP * NW) {
         }
         const bool valid = t < ntok && tok0 + t < lim[r / G];
         const float m_new = valid ? fmaxf(m[r], s) : m[r];
-        const float alpha = expf(m[r] - m_new);  // 1 when the max did not move
-        const float p = valid ? expf(s - m_new) : 0.0f;
+        const float alpha = exp2f(m[r] - m_new);  // 1 when the max did not move
+        const float p = valid ? exp2f(s - m_new) : 0.0f;
         l[r] = l[r] * alpha + p;
         m[r] = m_new;
         for (int i = 0; i < VEC; ++i) {
@@ -211,8 +215,8 @@ for (int o = TPT; o < WARP; o <<= 1) {
     const float m_o = __shfl_xor_sync(FULL, m[r], o);
     const float l_o = __shfl_xor_sync(FULL, l[r], o);
     const float mm = fmaxf(m[r], m_o);
-    const float a = expf(m[r] - mm);
-    const float c = expf(m_o - mm);
+    const float a = exp2f(m[r] - mm);
+    const float c = exp2f(m_o - mm);
     l[r] = l[r] * a + l_o * c;
     m[r] = mm;
     for (int i = 0; i < VEC; ++i) {
@@ -240,7 +244,7 @@ if (NW == 1) {
       }
     }
     if (lane == 0) {
-      stats[row * 2] = m[r];
+      stats[row * 2] = m[r] * LN2;
       stats[row * 2 + 1] = l[r];
     }
   }
@@ -277,14 +281,14 @@ for (int idx = int(threadIdx.x); idx < R * D; idx += NW * WARP) {
   float o = 0.0f;
   for (int w = 0; w < NW; ++w) {
     const float lw = sm_ml[(w * R + r) * 2 + 1];
-    const float wt = lw > 0.0f ? expf(sm_ml[(w * R + r) * 2] - M) : 0.0f;
+    const float wt = lw > 0.0f ? exp2f(sm_ml[(w * R + r) * 2] - M) : 0.0f;
     Lsum += wt * lw;
     o += wt * sm_acc[(w * R + r) * D + d];
   }
   const size_t row = PC_ROW(qi, g);
   out[row * D + d] = pc_cast<O>(Lsum > 0.0f ? o / Lsum : 0.0f);
   if (d == 0) {
-    stats[row * 2] = M;
+    stats[row * 2] = M * LN2;
     stats[row * 2 + 1] = Lsum;
   }
 }

@@ -12,6 +12,6 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 if [ -n "$NCU" ] && [ -z "${SKIP_NCU:-}" ]; then
   timeout 180 "$NCU" --clock-control none --kernel-name regex:paged_attention -c 4 \
     --section SpeedOfLight --section Occupancy --section LaunchStats \
-    python3 scripts/gpu/profile_attention.py > "$OUT/ncu.txt" 2>&1
+    env PYTHONPATH="$PWD:$PYTHONPATH" python3 scripts/gpu/profile_attention.py > "$OUT/ncu.txt" 2>&1
   grep -E "custom_kernel|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Block Size|Grid Size" "$OUT/ncu.txt" | head -60
 fi
