@@ -152,8 +152,9 @@ def check_decode(case: Case, plan: list, results: list[list[mx.array]]) -> None:
     parts = p_lse.shape[2]
     stats = _f64(results[0][1])[:, :, :parts]
     valid = ~np.isnan(p_lse)
-    lse = stats[..., 0] + np.log(stats[..., 1])
-    assert_close(lse[valid], p_lse[valid], (1e-5, 1e-4), "softmax statistics")
+    # Rows past a short sequence's end are never written (poison here, garbage on a GPU).
+    lse = stats[..., 0][valid] + np.log(stats[..., 1][valid])
+    assert_close(lse, p_lse[valid], (1e-5, 1e-4), "softmax statistics")
     if case.split:
         partial = _f64(results[0][0])[:, :, :parts]
         assert_close(partial[valid], p_out[valid], (1e-5, 1e-5), "split-K partials")
