@@ -55,6 +55,7 @@ class StepBatch:
     prefills: tuple[PrefillChunk, ...]
     logit_rows: mx.array  # rows whose logits are returned, in work order
     logit_owners: tuple[int, ...]  # index into the work list for each logit row
+    work_rows: tuple[int, ...] = ()  # the first row of each work, in work order
 
 
 def build_step_batch(work: Sequence[SequenceWork]) -> StepBatch:
@@ -68,11 +69,13 @@ def build_step_batch(work: Sequence[SequenceWork]) -> StepBatch:
     prefills: list[PrefillChunk] = []
     logit_rows: list[int] = []
     logit_owners: list[int] = []
+    work_rows = [0] * len(work)
     for i in order:
         w = work[i]
         if len(w.slots) != len(w.tokens):
             raise ValueError("every fed token needs a slot")
         row = len(tokens)
+        work_rows[i] = row
         tokens.extend(w.tokens)
         positions.extend(range(w.start, w.start + len(w.tokens)))
         for b, o in w.slots:
@@ -109,6 +112,7 @@ def build_step_batch(work: Sequence[SequenceWork]) -> StepBatch:
         prefills=tuple(prefills),
         logit_rows=mx.array(logit_rows, dtype=mx.int32),
         logit_owners=tuple(logit_owners),
+        work_rows=tuple(work_rows),
     )
 
 
