@@ -93,61 +93,35 @@ def start_engine(loaded, max_batch: int, kv_mib: float, attention_mode: str = "a
 
 
 class StepProfile:
-    """Where an engine step's time goes, measured from outside the engine: its step, the batch
-    construction (build_step_batch), the model's graph building (PagedModel.forward), the
-    first mx.eval of a step (the forward on the device) and the later ones (sampling); the
-    rest is scheduling and bookkeeping. Installed on the engine module's names, removed after."""
+    """Where an engine step's time goes, averaged over a run: the engine's own per-step phase
+    times (engine.telemetry.StepTimes: schedule, build = batch metadata + the model's lazy
+    graph, forward = waiting for the device, sample, bookkeeping), read after every step by a
+    wrapper on the step runner (removed by close())."""
 
-    PARTS = ("step", "batch", "graph", "forward", "sample")
+    PARTS = ("schedule", "build", "forward", "sample", "bookkeeping")
 
     def __init__(self, eng) -> None:
-        import engine.engine as em
-
-        self.eng, self.em = eng, em
-        self.totals = dict.fromkeys(self.PARTS, 0.0)
+        self.stepper = stepper = eng.stepper
+        self.totals = dict.fromkeys(("step", *self.PARTS), 0.0)
         self.steps = 0
-        self._evals_in_step = 0
-        real_mx, real_build, real_step = em.mx, em.build_step_batch, eng._step
-        real_forward = eng.paged.forward
-        prof = self
-
-        def timed(part, fn):
-            def wrapper(*a, **k):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    prof.totals[part] += time.perf_counter() - t0
-            return wrapper
-
-        class _Mx:
-            def __getattr__(self, name):
-                return getattr(real_mx, name)
-
-            def eval(self, *a):
-                part = "forward" if prof._evals_in_step == 0 else "sample"
-                prof._evals_in_step += 1
-                return timed(part, real_mx.eval)(*a)
+        real_step = stepper.step
 
         def step():
-            prof._evals_in_step = 0
-            before = prof.totals["forward"]
-            timed("step", real_step)()
-            if prof.totals["forward"] != before:
-                prof.steps += 1
+            t0 = time.perf_counter()
+            real_step()
+            elapsed = time.perf_counter() - t0
+            times = stepper._times
+            if times.forward > 0:  # a step that ran the model
+                self.steps += 1
+                self.totals["step"] += elapsed
+                for name in self.PARTS:
+                    self.totals[name] += getattr(times, name)
 
-        self._restore = (real_mx, real_build, real_step, real_forward)
-        em.mx = _Mx()
-        em.build_step_batch = timed("batch", real_build)
-        eng._step = step
-        eng.paged.forward = timed("graph", real_forward)
+        stepper.step = step
 
     def close(self) -> dict:
-        real_mx, real_build, _, _ = self._restore
-        self.em.mx, self.em.build_step_batch = real_mx, real_build
-        del self.eng._step, self.eng.paged.forward  # back to the class's methods
+        del self.stepper.step  # back to the class's method
         per = {k: v * 1e3 / max(self.steps, 1) for k, v in self.totals.items()}
-        per["other"] = per["step"] - sum(per[k] for k in self.PARTS[1:])
         per["steps"] = self.steps
         return per
 
@@ -395,18 +369,18 @@ def report(results: dict) -> str:
         target = 1.0 if r["n"] == 1 else 1.3
         lines.append(f"| {r['shape']} | {r['n']} | {r['engine_tps']:.1f} | {r['mlx_tps']:.1f} | "
                      f"{r['ratio']:.2f}x | >= {target}x | {verdict(r['ratio'] >= target)} |")
-    lines += ["", "Engine step split (profiled second run, ms per step: whole step, batch "
-              "construction, model graph building, forward on the device, sampling, rest = "
-              "scheduling + bookkeeping), and batch_generate's time per generated token step:",
-              "", "| shape | n | step | batch | graph | forward | sample | rest | "
+    lines += ["", "Engine step split (profiled second run, mean ms per step from the engine's "
+              "own phase times: build = batch metadata + model graph, forward = waiting for "
+              "the device), and batch_generate's time per generated-token step:",
+              "", "| shape | n | step | schedule | build | forward | sample | bookkeeping | "
               "batch_generate step |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
               "| ---: |"]
     for r in results["throughput"]:
         sp = r["step_split"]
         mlx_step = 1e3 * r["n"] / r["mlx_tps"]
-        lines.append(f"| {r['shape']} | {r['n']} | {sp['step']:.2f} | {sp['batch']:.2f} | "
-                     f"{sp['graph']:.2f} | {sp['forward']:.2f} | {sp['sample']:.2f} | "
-                     f"{sp['other']:.2f} | {mlx_step:.2f} |")
+        lines.append(f"| {r['shape']} | {r['n']} | {sp['step']:.2f} | {sp['schedule']:.2f} | "
+                     f"{sp['build']:.2f} | {sp['forward']:.2f} | {sp['sample']:.2f} | "
+                     f"{sp['bookkeeping']:.2f} | {mlx_step:.2f} |")
     lines += ["", "## Decode attention alone, all layers of one step (median ms)", "",
               "| shape | n | context | paged kernel | contiguous SDPA | gather path | "
               "paged / SDPA | graph build paged / SDPA | K/V GB/s (paged) | max abs err | "

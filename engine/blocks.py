@@ -20,6 +20,11 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+#: A token whose slot is reserved while its value is still being computed (an overlapped
+#: step feeds the previous step's sampled token before the host has read it). A block
+#: holding one is not hashed until :meth:`BlockAllocator.resolve_pending` fills it in.
+PENDING = -1
+
 
 class NoFreeBlocksError(RuntimeError):
     """The pool has no free or evictable block left (the scheduler preempts on this)."""
@@ -38,7 +43,7 @@ class BlockTable:
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
     hashes: list[int] = field(default_factory=list)  # chain hash of each full block
-    named: int = 0  # leading full blocks already offered to the prefix cache
+    num_offered_to_cache: int = 0  # leading full blocks already offered to the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +80,7 @@ class BlockAllocator:
         # Full blocks whose slots are reserved but not yet computed, by content hash: a prompt
         # that would reuse them waits one step instead of computing them a second time.
         self._pending: Counter[int] = Counter()
+        self._unresolved: set[int] = set()  # blocks holding a PENDING token
         self.prefix_hits = 0  # full blocks reused from the cache
         self.prefix_queries = 0  # full prompt blocks looked up
 
@@ -126,7 +132,7 @@ class BlockAllocator:
             table.tokens.extend(chunk)
             table.hashes.append(h)
             parent = h
-        table.named = len(table.hashes)
+        table.num_offered_to_cache = len(table.hashes)
         table.num_computed = table.num_tokens
         if count:
             self.record_prefix_lookup(table, prompt)
@@ -183,18 +189,38 @@ class BlockAllocator:
             self._fill[block] = offset + take
             table.tokens.extend(piece)
             pos += take
+        if PENDING in piece:
+            self._unresolved.add(table.blocks[-1])
+        self._hash_full_blocks(table)
+        return AppendResult(slots, copies)
+
+    def resolve_pending(self, table: BlockTable, token: int) -> None:
+        """The value of ``table``'s last token, reserved as PENDING, is now known."""
+        if not table.tokens or table.tokens[-1] != PENDING:
+            raise ValueError("the table's last token is not pending")
+        table.tokens[-1] = token
+        block = table.blocks[-1]
+        self._tokens[block] = self._tokens[block][:-1] + (token,)
+        self._unresolved.discard(block)
+        self._hash_full_blocks(table)
+
+    def _hash_full_blocks(self, table: BlockTable) -> None:
+        """Chain-hash every newly full block whose tokens are all known."""
+        bs = self.block_size
         parent = table.hashes[-1] if table.hashes else None
         for i in range(len(table.hashes), table.num_tokens // bs):
-            parent = _chain_hash(parent, table.tokens[i * bs : (i + 1) * bs])
+            chunk = table.tokens[i * bs : (i + 1) * bs]
+            if PENDING in chunk:
+                break
+            parent = _chain_hash(parent, chunk)
             table.hashes.append(parent)
             self._pending[parent] += 1
-        return AppendResult(slots, copies)
 
     def mark_computed(self, table: BlockTable) -> None:
         """Record that every reserved slot of ``table`` now holds its K/V, and name each newly
         full block in the prefix cache."""
         table.num_computed = table.num_tokens
-        for i in range(table.named, len(table.hashes)):
+        for i in range(table.num_offered_to_cache, len(table.hashes)):
             h = table.hashes[i]
             self._unpend(h)
             block = table.blocks[i]
@@ -203,7 +229,7 @@ class BlockAllocator:
             if self._hash[block] is None and h not in self._by_hash:
                 self._hash[block] = h
                 self._by_hash[h] = block
-        table.named = len(table.hashes)
+        table.num_offered_to_cache = len(table.hashes)
 
     # ---- sharing ----------------------------------------------------------------------------
 
@@ -215,9 +241,9 @@ class BlockAllocator:
             tokens=list(table.tokens),
             num_computed=table.num_computed,
             hashes=list(table.hashes),
-            named=table.named,
+            num_offered_to_cache=table.num_offered_to_cache,
         )
-        for h in child.hashes[child.named :]:
+        for h in child.hashes[child.num_offered_to_cache :]:
             self._pending[h] += 1
         for block in child.blocks:
             self._hold(block, child.owner)
@@ -225,7 +251,7 @@ class BlockAllocator:
 
     def free(self, table: BlockTable) -> None:
         """Release every block of ``table``; cached (hashed) blocks stay reusable in the LRU."""
-        for h in table.hashes[table.named :]:
+        for h in table.hashes[table.num_offered_to_cache :]:
             self._unpend(h)
         for block in reversed(table.blocks):
             self._release(block, table.owner)
@@ -233,7 +259,7 @@ class BlockAllocator:
         table.tokens.clear()
         table.num_computed = 0
         table.hashes.clear()
-        table.named = 0
+        table.num_offered_to_cache = 0
 
     # ---- introspection (snapshots, tests) ---------------------------------------------------
 
@@ -256,7 +282,10 @@ class BlockAllocator:
             tuple(self._refcount),
             tuple(self._fill),
             tuple(h is not None for h in self._hash),
-            tuple(self._tokens),
+            tuple(self._tokens) if not self._unresolved else tuple(
+                tuple(t for t in tokens if t != PENDING) if b in self._unresolved else tokens
+                for b, tokens in enumerate(self._tokens)
+            ),
         )
 
     def check_invariants(self, tables: Iterable[BlockTable]) -> None:
@@ -274,9 +303,10 @@ class BlockAllocator:
         assert counts == self._refcount, "refcounts differ from the tables holding blocks"
         pending: Counter[int] = Counter()
         for t in tables:
-            assert len(t.hashes) == t.num_tokens // self.block_size, "missing block hashes"
-            assert t.named <= len(t.hashes)
-            pending.update(t.hashes[t.named :])
+            known = t.tokens.index(PENDING) if PENDING in t.tokens else t.num_tokens
+            assert len(t.hashes) == known // self.block_size, "missing block hashes"
+            assert t.num_offered_to_cache <= len(t.hashes)
+            pending.update(t.hashes[t.num_offered_to_cache :])
         assert pending == self._pending, "pending-block index differs from the tables"
         free = set(self._free)
         assert len(free) == len(self._free), "free list holds a block twice"
@@ -345,4 +375,5 @@ class BlockAllocator:
             else:
                 self._tokens[block] = ()
                 self._fill[block] = 0
+                self._unresolved.discard(block)
                 self._free.append(block)

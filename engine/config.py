@@ -6,9 +6,31 @@ clear message instead of deep inside the engine thread.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-ALLOWED_BLOCK_SIZES = (8, 16, 32)
+#: Token slots per KV block that the engine (and its attention kernels) support.
+BLOCK_SIZES = (8, 16, 32)
+
+#: What the Hugging Face Hub accepts as a repo id ("owner/name"); anything else names a path.
+REPO_ID_PATTERN = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+MIB = 2**20
+
+
+def looks_like_repo_id(spec: str) -> bool:
+    """True for "owner/name" (what the Hub accepts); anything else is meant as a path."""
+    return REPO_ID_PATTERN.fullmatch(spec) is not None
+
+
+def blocks_for_budget(bytes_per_token: int, block_size: int, budget_mib: float) -> int:
+    """How many blocks of ``block_size`` slots fit in ``budget_mib`` (at least one).
+
+    One function for the engine (sizing the pool) and the app (showing what a budget buys),
+    so the two can never disagree.
+    """
+    per_block = bytes_per_token * block_size
+    return max(1, int(budget_mib * MIB) // per_block)
 
 
 @dataclass(frozen=True)
@@ -20,8 +42,10 @@ class EngineConfig:
     kv_memory_mib: KV pool budget; the pool is allocated once from it and never grows.
     block_size: token slots per block (8, 16 or 32).
     max_batch: most sequences decoded in one step.
-    prefill_chunk: most prompt tokens processed in one step, so a long prompt never stalls
-        the running chats for long.
+    prefill_chunk: most prompt tokens processed in one step (a prompt alone gets this much).
+    prefill_target: while any chat decodes, a step that also runs prompt tokens aims at this
+        multiple of a pure decode step (engine/prefill_budget.py); 0 turns the adaptive
+        budget off and every step takes up to ``prefill_chunk`` prompt tokens.
     max_context: per-sequence limit; None means the model's own limit.
     quantized: keep quantized weights (None = decide by backend: yes on Metal, no on CPU).
     """
@@ -31,14 +55,15 @@ class EngineConfig:
     block_size: int = 16
     max_batch: int = 16
     prefill_chunk: int = 256
+    prefill_target: float = 2.0
     max_context: int | None = None
     quantized: bool | None = None
     attention: str = "auto"  # "auto", "reference" or "kernel"
 
     def __post_init__(self) -> None:
-        if self.block_size not in ALLOWED_BLOCK_SIZES:
+        if self.block_size not in BLOCK_SIZES:
             raise ValueError(
-                f"block_size must be one of {ALLOWED_BLOCK_SIZES}, got {self.block_size}"
+                f"block_size must be one of {BLOCK_SIZES}, got {self.block_size}"
             )
         if not self.kv_memory_mib > 0:
             raise ValueError(f"kv_memory_mib must be positive, got {self.kv_memory_mib}")
@@ -46,6 +71,10 @@ class EngineConfig:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.prefill_chunk < self.block_size:
             raise ValueError("prefill_chunk must be at least one block")
+        if self.prefill_target != 0 and not self.prefill_target >= 1.0:
+            raise ValueError(
+                f"prefill_target must be 0 (off) or at least 1.0, got {self.prefill_target}"
+            )
         if self.max_context is not None and self.max_context < 2:
             raise ValueError("max_context must be at least 2 tokens")
         if self.attention not in ("auto", "reference", "kernel"):

@@ -20,6 +20,16 @@ class FinishReason(StrEnum):
     ERROR = "error"
 
 
+class EngineStatus(StrEnum):
+    """Where the engine is in its life: ``loading`` until the model is up, then ``ready``;
+    ``error`` when loading failed (``Engine.load_error`` says why)."""
+
+    STOPPED = "stopped"
+    LOADING = "loading"
+    READY = "ready"
+    ERROR = "error"
+
+
 class SequenceState(StrEnum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
@@ -75,6 +85,10 @@ class SessionStats:
     wasted_slots: int
     tokens_per_s: float
     requests: int
+    #: Prompt progress of the chat's requests still being prefilled (0/0 when none): K/V
+    #: computed so far (prefix-cache hits included) and the tokens to compute in all.
+    prompt_tokens_done: int = 0
+    prompt_tokens_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,11 @@ class Counters:
     prefix_cache_queries: int
     tokens_per_s: float
     generated_tokens: int
+    #: The step's time split (EMAs, ms); schedule_time_ms is scheduling plus bookkeeping.
+    build_time_ms: float = 0.0
+    forward_time_ms: float = 0.0
+    sample_time_ms: float = 0.0
+    bookkeeping_time_ms: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -119,7 +138,6 @@ class PoolSnapshot:
     sessions: Mapping[str, SessionStats]
     counters: Counters
     model_name: str = ""
-    paged: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.sessions, MappingProxyType):
@@ -164,5 +182,4 @@ class ModelInfo:
     block_size: int
     num_blocks: int
     bytes_per_block: int
-    paged: bool
-    attention: str  # "metal-kernel" or "reference"
+    attention: str  # "cuda-paged", "metal-kernel" or "reference"

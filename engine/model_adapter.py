@@ -28,19 +28,9 @@ import mlx.nn as nn
 
 from engine import attention
 from engine.kv_pool import KVPool, KVShape
+from engine.work import SequenceWork
 
 PROVEN_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
-
-
-@dataclass(frozen=True)
-class SequenceWork:
-    """One sequence's share of a step: tokens to feed, where they go, whether to sample."""
-
-    tokens: Sequence[int]
-    start: int  # position of tokens[0] in the sequence
-    blocks: Sequence[int]  # the sequence's block table, covering start + len(tokens)
-    slots: Sequence[tuple[int, int]]  # (block, offset) for each fed token
-    want_logits: bool = True
 
 
 @dataclass(frozen=True)
@@ -65,6 +55,7 @@ class StepBatch:
     prefills: tuple[PrefillChunk, ...]
     logit_rows: mx.array  # rows whose logits are returned, in work order
     logit_owners: tuple[int, ...]  # index into the work list for each logit row
+    work_rows: tuple[int, ...] = ()  # the first row of each work, in work order
 
 
 def build_step_batch(work: Sequence[SequenceWork]) -> StepBatch:
@@ -78,11 +69,13 @@ def build_step_batch(work: Sequence[SequenceWork]) -> StepBatch:
     prefills: list[PrefillChunk] = []
     logit_rows: list[int] = []
     logit_owners: list[int] = []
+    work_rows = [0] * len(work)
     for i in order:
         w = work[i]
         if len(w.slots) != len(w.tokens):
             raise ValueError("every fed token needs a slot")
         row = len(tokens)
+        work_rows[i] = row
         tokens.extend(w.tokens)
         positions.extend(range(w.start, w.start + len(w.tokens)))
         for b, o in w.slots:
@@ -119,6 +112,7 @@ def build_step_batch(work: Sequence[SequenceWork]) -> StepBatch:
         prefills=tuple(prefills),
         logit_rows=mx.array(logit_rows, dtype=mx.int32),
         logit_owners=tuple(logit_owners),
+        work_rows=tuple(work_rows),
     )
 
 
