@@ -5,8 +5,9 @@ Two implementations behind one entry point, chosen at run time:
 * the **reference** path gathers the blocks named by the block tables into a contiguous,
   masked K/V and calls ``mx.fast.scaled_dot_product_attention``. It runs on every backend and
   is the oracle every kernel is tested against;
-* the **Metal kernel** path (decode only) reads K/V straight from the pool through the block
-  tables (``engine.kernels``), used when the Metal backend is available.
+* the **kernel** paths read K/V straight from the pool through the block tables: the Metal
+  decode kernel (``engine.kernels``) where the Metal backend is available, the CUDA decode and
+  prefill kernel (``engine.cuda_kernels``) where MLX's CUDA backend is.
 
 Pool layout (per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 """
@@ -66,9 +67,19 @@ def reference_prefill(
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
+def kernel_path() -> str | None:
+    """The paged-attention kernel this backend runs ("cuda-paged", "metal-kernel"), or None
+    where only the reference path runs (the CPU backend)."""
+    if mx.cuda.is_available():
+        return "cuda-paged"
+    if mx.metal.is_available():
+        return "metal-kernel"
+    return None
+
+
 def kernel_available() -> bool:
-    """True where the Metal decode kernel can run (the Metal backend is present)."""
-    return mx.metal.is_available()
+    """True where a paged-attention kernel can run (the Metal or the CUDA backend)."""
+    return kernel_path() is not None
 
 
 def paged_decode(
@@ -80,9 +91,32 @@ def paged_decode(
     scale: float,
     use_kernel: bool,
 ) -> mx.array:
-    """Decode attention: the Metal kernel when ``use_kernel``, else the reference path."""
+    """Decode attention: the backend's kernel when ``use_kernel``, else the reference path."""
     if use_kernel:
+        if mx.cuda.is_available():
+            from engine.cuda_kernels import paged_decode_cuda
+
+            return paged_decode_cuda(q, k_pool, v_pool, block_tables, context_lens, scale)
         from engine.kernels import paged_decode_kernel
 
         return paged_decode_kernel(q, k_pool, v_pool, block_tables, context_lens, scale)
     return reference_decode(q, k_pool, v_pool, block_tables, context_lens, scale)
+
+
+def paged_prefill(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_table: mx.array,
+    context_len: int,
+    scale: float,
+    use_kernel: bool,
+) -> mx.array:
+    """A prefill chunk (``reference_prefill``'s arguments): the CUDA kernel, reading earlier
+    blocks through the block table, when ``use_kernel`` on the CUDA backend; else the
+    reference path (Metal has no prefill kernel yet)."""
+    if use_kernel and mx.cuda.is_available():
+        from engine.cuda_kernels import paged_prefill_cuda
+
+        return paged_prefill_cuda(q, k_pool, v_pool, block_table, context_len, scale)
+    return reference_prefill(q, k_pool, v_pool, block_table, context_len, scale)

@@ -20,6 +20,11 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+#: A token whose slot is reserved while its value is still being computed (an overlapped
+#: step feeds the previous step's sampled token before the host has read it). A block
+#: holding one is not hashed until :meth:`BlockAllocator.resolve_pending` fills it in.
+PENDING = -1
+
 
 class NoFreeBlocksError(RuntimeError):
     """The pool has no free or evictable block left (the scheduler preempts on this)."""
@@ -75,6 +80,7 @@ class BlockAllocator:
         # Full blocks whose slots are reserved but not yet computed, by content hash: a prompt
         # that would reuse them waits one step instead of computing them a second time.
         self._pending: Counter[int] = Counter()
+        self._unresolved: set[int] = set()  # blocks holding a PENDING token
         self.prefix_hits = 0  # full blocks reused from the cache
         self.prefix_queries = 0  # full prompt blocks looked up
 
@@ -183,12 +189,32 @@ class BlockAllocator:
             self._fill[block] = offset + take
             table.tokens.extend(piece)
             pos += take
+        if PENDING in piece:
+            self._unresolved.add(table.blocks[-1])
+        self._hash_full_blocks(table)
+        return AppendResult(slots, copies)
+
+    def resolve_pending(self, table: BlockTable, token: int) -> None:
+        """The value of ``table``'s last token, reserved as PENDING, is now known."""
+        if not table.tokens or table.tokens[-1] != PENDING:
+            raise ValueError("the table's last token is not pending")
+        table.tokens[-1] = token
+        block = table.blocks[-1]
+        self._tokens[block] = self._tokens[block][:-1] + (token,)
+        self._unresolved.discard(block)
+        self._hash_full_blocks(table)
+
+    def _hash_full_blocks(self, table: BlockTable) -> None:
+        """Chain-hash every newly full block whose tokens are all known."""
+        bs = self.block_size
         parent = table.hashes[-1] if table.hashes else None
         for i in range(len(table.hashes), table.num_tokens // bs):
-            parent = _chain_hash(parent, table.tokens[i * bs : (i + 1) * bs])
+            chunk = table.tokens[i * bs : (i + 1) * bs]
+            if PENDING in chunk:
+                break
+            parent = _chain_hash(parent, chunk)
             table.hashes.append(parent)
             self._pending[parent] += 1
-        return AppendResult(slots, copies)
 
     def mark_computed(self, table: BlockTable) -> None:
         """Record that every reserved slot of ``table`` now holds its K/V, and name each newly
@@ -256,7 +282,10 @@ class BlockAllocator:
             tuple(self._refcount),
             tuple(self._fill),
             tuple(h is not None for h in self._hash),
-            tuple(self._tokens),
+            tuple(self._tokens) if not self._unresolved else tuple(
+                tuple(t for t in tokens if t != PENDING) if b in self._unresolved else tokens
+                for b, tokens in enumerate(self._tokens)
+            ),
         )
 
     def check_invariants(self, tables: Iterable[BlockTable]) -> None:
@@ -274,7 +303,8 @@ class BlockAllocator:
         assert counts == self._refcount, "refcounts differ from the tables holding blocks"
         pending: Counter[int] = Counter()
         for t in tables:
-            assert len(t.hashes) == t.num_tokens // self.block_size, "missing block hashes"
+            known = t.tokens.index(PENDING) if PENDING in t.tokens else t.num_tokens
+            assert len(t.hashes) == known // self.block_size, "missing block hashes"
             assert t.num_offered_to_cache <= len(t.hashes)
             pending.update(t.hashes[t.num_offered_to_cache :])
         assert pending == self._pending, "pending-block index differs from the tables"
@@ -345,4 +375,5 @@ class BlockAllocator:
             else:
                 self._tokens[block] = ()
                 self._fill[block] = 0
+                self._unresolved.discard(block)
                 self._free.append(block)

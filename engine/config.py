@@ -42,8 +42,10 @@ class EngineConfig:
     kv_memory_mib: KV pool budget; the pool is allocated once from it and never grows.
     block_size: token slots per block (8, 16 or 32).
     max_batch: most sequences decoded in one step.
-    prefill_chunk: most prompt tokens processed in one step, so a long prompt never stalls
-        the running chats for long.
+    prefill_chunk: most prompt tokens processed in one step (a prompt alone gets this much).
+    prefill_target: while any chat decodes, a step that also runs prompt tokens aims at this
+        multiple of a pure decode step (engine/prefill_budget.py); 0 turns the adaptive
+        budget off and every step takes up to ``prefill_chunk`` prompt tokens.
     max_context: per-sequence limit; None means the model's own limit.
     quantized: keep quantized weights (None = decide by backend: yes on Metal, no on CPU).
     """
@@ -53,6 +55,7 @@ class EngineConfig:
     block_size: int = 16
     max_batch: int = 16
     prefill_chunk: int = 256
+    prefill_target: float = 2.0
     max_context: int | None = None
     quantized: bool | None = None
     attention: str = "auto"  # "auto", "reference" or "kernel"
@@ -68,6 +71,10 @@ class EngineConfig:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.prefill_chunk < self.block_size:
             raise ValueError("prefill_chunk must be at least one block")
+        if self.prefill_target != 0 and not self.prefill_target >= 1.0:
+            raise ValueError(
+                f"prefill_target must be 0 (off) or at least 1.0, got {self.prefill_target}"
+            )
         if self.max_context is not None and self.max_context < 2:
             raise ValueError("max_context must be at least 2 tokens")
         if self.attention not in ("auto", "reference", "kernel"):

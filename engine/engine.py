@@ -36,6 +36,7 @@ from engine.model_adapter import (
 )
 from engine.models import LoadedModel, load_model
 from engine.output import Output, refuse
+from engine.prefill_budget import MIN_PROMPT_TOKENS, PrefillBudget
 from engine.scheduler import Scheduler
 from engine.step import StepRunner, describe
 from engine.telemetry import Telemetry
@@ -215,8 +216,9 @@ class Engine:
         self.max_context = min(cfg.max_context or loaded.max_context, loaded.max_context)
         self.output = Output(self.scheduler, self.telemetry,
                              set(loaded.tokenizer.eos_token_ids), self.max_context)
+        prefill = PrefillBudget(cfg.prefill_chunk, MIN_PROMPT_TOKENS, cfg.prefill_target)
         self.stepper = StepRunner(self.scheduler, self.pool, self.paged_model, self.output,
-                                  self.telemetry)
+                                  self.telemetry, prefill)
         self._loaded = loaded
         self.model_info = ModelInfo(
             name=loaded.name,
@@ -225,7 +227,7 @@ class Engine:
             block_size=cfg.block_size,
             num_blocks=num_blocks,
             bytes_per_block=self.pool.bytes_per_block,
-            attention="metal-kernel" if use_kernel else "reference",
+            attention=(attention.kernel_path() or "reference") if use_kernel else "reference",
         )
         self._publish(force=True)
 

@@ -85,6 +85,10 @@ class SessionStats:
     wasted_slots: int
     tokens_per_s: float
     requests: int
+    #: Prompt progress of the chat's requests still being prefilled (0/0 when none): K/V
+    #: computed so far (prefix-cache hits included) and the tokens to compute in all.
+    prompt_tokens_done: int = 0
+    prompt_tokens_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,11 @@ class Counters:
     prefix_cache_queries: int
     tokens_per_s: float
     generated_tokens: int
+    #: The step's time split (EMAs, ms); schedule_time_ms is scheduling plus bookkeeping.
+    build_time_ms: float = 0.0
+    forward_time_ms: float = 0.0
+    sample_time_ms: float = 0.0
+    bookkeeping_time_ms: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -173,4 +182,4 @@ class ModelInfo:
     block_size: int
     num_blocks: int
     bytes_per_block: int
-    attention: str  # "metal-kernel" or "reference"
+    attention: str  # "cuda-paged", "metal-kernel" or "reference"

@@ -55,6 +55,7 @@ class StepBatch:
     prefills: tuple[PrefillChunk, ...]
     logit_rows: mx.array  # rows whose logits are returned, in work order
     logit_owners: tuple[int, ...]  # index into the work list for each logit row
+    work_rows: tuple[int, ...] = ()  # the first row of each work, in work order
 
 
 def build_step_batch(work: Sequence[SequenceWork]) -> StepBatch:
@@ -68,11 +69,13 @@ def build_step_batch(work: Sequence[SequenceWork]) -> StepBatch:
     prefills: list[PrefillChunk] = []
     logit_rows: list[int] = []
     logit_owners: list[int] = []
+    work_rows = [0] * len(work)
     for i in order:
         w = work[i]
         if len(w.slots) != len(w.tokens):
             raise ValueError("every fed token needs a slot")
         row = len(tokens)
+        work_rows[i] = row
         tokens.extend(w.tokens)
         positions.extend(range(w.start, w.start + len(w.tokens)))
         for b, o in w.slots:
@@ -109,6 +112,7 @@ def build_step_batch(work: Sequence[SequenceWork]) -> StepBatch:
         prefills=tuple(prefills),
         logit_rows=mx.array(logit_rows, dtype=mx.int32),
         logit_owners=tuple(logit_owners),
+        work_rows=tuple(work_rows),
     )
 
 
@@ -139,15 +143,16 @@ class PagedLayerCache:
         return keys, values
 
     def _kernel_fits(self, num_heads: int) -> bool:
-        """The Metal kernel when enabled and it handles this attention shape, else the
+        """The backend's kernel when enabled and it handles this attention shape, else the
         reference path (decided once: shapes do not change)."""
         if self._kernel_ok is None:
             self._kernel_ok = False
             if self.use_kernel:
-                from engine import kernels
+                from engine import cuda_kernels, kernels
 
                 shape = self.pool.shape
-                self._kernel_ok = kernels.supports(
+                supports = cuda_kernels.supports if mx.cuda.is_available() else kernels.supports
+                self._kernel_ok = supports(
                     num_heads, shape.num_kv_heads, shape.head_dim, self.pool.block_size,
                     shape.dtype,
                 )
@@ -169,8 +174,9 @@ class PagedLayerCache:
         for chunk in b.prefills:
             q = queries[chunk.row_start : chunk.row_start + chunk.length]
             q = mx.swapaxes(q, 0, 2)  # [1, heads, L, head_dim]
-            out = attention.reference_prefill(
-                q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale
+            out = attention.paged_prefill(
+                q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale,
+                use_kernel=self._kernel_fits(queries.shape[1]),
             )
             parts.append(mx.swapaxes(out, 0, 2))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)

@@ -5,10 +5,10 @@ Each step, in this order:
 1. every running sequence that is decoding gets a slot for its next token; when the pool is
    exhausted the latest-admitted sequence is **preempted** (its blocks freed, its tokens kept,
    requeued first for recompute) instead of anything failing;
-2. sequences in the middle of a long prompt get the next **chunk** of it, within a per-step
-   prompt-token budget, so a new chat never stalls the others for long;
-3. waiting sequences are admitted (first reusing the prefix cache) while the batch, the
-   budget and the free blocks allow.
+2. waiting sequences are admitted (first reusing the prefix cache) while the batch, the
+   per-step prompt-token budget and the free blocks allow;
+3. sequences in the middle of a long prompt get the next **chunk** of it, within what is
+   left of the budget, so a new chat never stalls the others for long.
 
 It is the only user of the allocator besides the snapshot's read-only view: it also forks
 the samples of an n > 1 request when their shared prompt is done (:meth:`fork_samples`).
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.blocks import BlockAllocator, BlockTable
+from engine.blocks import PENDING, BlockAllocator, BlockTable
 from engine.events import SequenceState
 from engine.sequence import Sequence
 from engine.work import SequenceWork
@@ -91,20 +91,38 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    @property
+    def decoding(self) -> bool:
+        """Some running sequence needs just its next token (it would decode this step)."""
+        return any(seq.num_to_feed == 1 for seq in self.running)
+
+    def schedule(self, prompt_budget: int | None = None) -> StepPlan:
+        """Plan one step; ``prompt_budget`` caps its prompt tokens (default: prefill_chunk).
+
+        Waiting prompts are admitted before running prompts continue (with at most half the
+        budget while some prompt is mid-way, so that one still advances every step), and
+        running prompts continue shortest-remaining first: a short chat arriving during a
+        long paste gets its first token after a few steps, not after the whole paste.
+        """
         self.steps += 1
         plan = StepPlan()
-        budget = self.prefill_chunk
+        budget = self.prefill_chunk if prompt_budget is None else prompt_budget
         scheduled: set[int] = set()
 
         for seq in list(self.running):
             if seq not in self.running or seq.num_to_feed != 1:
                 continue
+            if seq.inflight and seq.num_generated + 1 >= seq.request.params.max_tokens:
+                continue  # its token in flight is its last: nothing to compute after it
             if self._make_room(seq, 1, plan):
                 self._reserve(seq, 1, plan)
                 scheduled.add(seq.seq_id)
 
-        for seq in list(self.running):
+        mid_prompt = any(s.num_to_feed >= 2 for s in self.running)
+        admit_budget = max(1, budget // 2) if mid_prompt else budget
+        budget -= self._admit(plan, min(budget, admit_budget), scheduled)
+
+        for seq in sorted(self.running, key=lambda s: s.num_to_feed):
             if budget <= 0:
                 break
             if seq not in self.running or seq.seq_id in scheduled or seq.num_to_feed < 2:
@@ -118,20 +136,25 @@ class Scheduler:
             self._reserve(seq, n, plan)
             scheduled.add(seq.seq_id)
             budget -= n
+        return plan
 
+    def _admit(self, plan: StepPlan, budget: int, scheduled: set[int]) -> int:
+        """Admit waiting sequences (reusing the prefix cache) within ``budget`` prompt
+        tokens, the batch limit and the free blocks; returns the tokens it reserved."""
+        used = 0
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_batch:
+            if used >= budget or len(self.running) >= self.max_batch:
                 break
-            if len(seq.tokens) > self.capacity_tokens - 1:
+            if seq.length > self.capacity_tokens - 1:
                 self.waiting.remove(seq)
-                plan.failed.append((seq, self._too_long_message(len(seq.tokens))))
+                plan.failed.append((seq, self._too_long_message(seq.length)))
                 continue
             table = BlockTable(owner=seq.session_id)
             cached = self.alloc.reuse_prefix(table, seq.tokens, count=False)
             if self.alloc.prefix_pending(table, seq.tokens):
                 self.alloc.free(table)  # its next blocks are being computed: share them next step
                 continue
-            n = min(budget, len(seq.tokens) - cached, self._tokens_that_fit(table))
+            n = min(budget - used, seq.length - cached, self._tokens_that_fit(table))
             if n < 1:
                 self.alloc.free(table)
                 break
@@ -144,8 +167,16 @@ class Scheduler:
             seq.state = SequenceState.PREFILLING
             self.running.append(seq)
             self._reserve(seq, n, plan)
-            budget -= n
-        return plan
+            scheduled.add(seq.seq_id)
+            used += n
+        return used
+
+    def resolve(self, seq: Sequence, token: int) -> None:
+        """``seq``'s token in flight has been read: fill its PENDING slot, if it has one."""
+        seq.inflight = False
+        table = seq.table
+        if table is not None and table.tokens and table.tokens[-1] == PENDING:
+            self.alloc.resolve_pending(table, token)
 
     def commit(self, plan: StepPlan) -> None:
         """The step ran: its slots now hold K/V (names the newly full blocks in the cache)."""
@@ -159,10 +190,10 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> None:
         start = seq.num_in_table
-        tokens = seq.tokens[start : start + n]
+        tokens = seq.feed(start, n)
         result = self.alloc.append(seq.table, tokens)
         plan.copies.extend(result.copies)
-        done = start + n == len(seq.tokens)
+        done = start + n == seq.length
         plan.works.append(
             SequenceWork(tokens, start, seq.table.blocks, result.slots, want_logits=done, seq=seq)
         )

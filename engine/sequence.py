@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from engine.blocks import BlockTable
+from engine.blocks import PENDING, BlockTable
 from engine.config import SamplingParams
 from engine.events import FinishReason, SequenceState
 
@@ -61,6 +61,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     preemptions: int = 0
+    #: A token has been sampled on the device and not read yet (overlapped steps): the next
+    #: step may already feed it, as a PENDING slot (engine/blocks.py).
+    inflight: bool = False
 
     @property
     def session_id(self) -> str:
@@ -76,9 +79,21 @@ class Sequence:
         return self.table.num_tokens if self.table is not None else 0
 
     @property
+    def length(self) -> int:
+        """Tokens so far, the one still in flight included."""
+        return len(self.tokens) + self.inflight
+
+    @property
     def num_to_feed(self) -> int:
         """Tokens not yet given a slot: what the model still has to be fed."""
-        return len(self.tokens) - self.num_in_table
+        return self.length - self.num_in_table
+
+    def feed(self, start: int, n: int) -> list[int]:
+        """Tokens ``start`` .. ``start + n``, PENDING standing for the one in flight."""
+        tokens = self.tokens[start : start + n]
+        if self.inflight and start + n > len(self.tokens):
+            tokens.append(PENDING)
+        return tokens
 
     @property
     def finished(self) -> bool:

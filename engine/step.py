@@ -16,19 +16,20 @@ from engine.events import FinishReason
 from engine.kv_pool import KVPool
 from engine.model_adapter import PagedModel, build_step_batch
 from engine.output import Output
-from engine.sampling import sample_next
+from engine.prefill_budget import PrefillBudget
+from engine.sampling import SamplingRow, sample_rows
 from engine.scheduler import Scheduler, StepPlan
 from engine.sequence import Sequence
-from engine.telemetry import Telemetry
+from engine.telemetry import StepTimes, Telemetry
 from engine.work import SequenceWork
 
 logger = logging.getLogger(__name__)
 
 
-def sample_row(seq: Sequence, logits: mx.array) -> mx.array:
-    """The next token of ``seq`` (lazy), advancing its PRNG key."""
-    token, seq.key = sample_next(logits, seq.request.params, seq.tokens, seq.key)
-    return token
+def sampling_row(seq: Sequence) -> SamplingRow:
+    """What the sampler needs from ``seq`` (per sequence, so a failure here fails it alone;
+    tests patch this to inject a fault)."""
+    return SamplingRow(seq.request.params, seq.tokens, seq.key)
 
 
 def describe(e: Exception) -> str:
@@ -37,29 +38,36 @@ def describe(e: Exception) -> str:
 
 class StepRunner:
     def __init__(self, scheduler: Scheduler, pool: KVPool, paged_model: PagedModel,
-                 output: Output, telemetry: Telemetry) -> None:
+                 output: Output, telemetry: Telemetry, prefill: PrefillBudget) -> None:
         self.scheduler = scheduler
         self.pool = pool
         self.paged_model = paged_model
         self.output = output
         self.telemetry = telemetry
+        self.prefill = prefill
+        self._times = StepTimes()
 
     def step(self) -> None:
+        times = self._times = StepTimes()
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self.prefill.budget(self.scheduler.decoding))
         for seq, message in plan.failed:
             self.output.finish(seq, FinishReason.ERROR, message)
         if not plan.works:
             return
         self.pool.copy_blocks(plan.copies)
-        t_sched = time.perf_counter() - t0
+        times.schedule = time.perf_counter() - t0
         sampled = self._forward_and_sample(plan)
         t1 = time.perf_counter()
         self.scheduler.commit(plan)
         for seq, token in sampled:
             self._guard(seq, self.output.accept_token, seq, token)
         t2 = time.perf_counter()
-        self.telemetry.step(len(plan.works), t2 - t0, t_sched + t2 - t1)
+        times.bookkeeping = t2 - t1
+        decodes = sum(1 for w in plan.works if len(w.tokens) == 1)
+        prompt_tokens = sum(len(w.tokens) for w in plan.works if len(w.tokens) != 1)
+        self.prefill.observe(t2 - t0, decodes, prompt_tokens)
+        self.telemetry.step(len(plan.works), t2 - t0, times)
 
     def _forward_and_sample(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
         """Run the batch; on failure, run each sequence alone to fail only the culprits."""
@@ -79,17 +87,48 @@ class StepRunner:
         return sampled
 
     def _run_works(self, works: list[SequenceWork]) -> list[tuple[Sequence, int]]:
+        t0 = time.perf_counter()
         batch = build_step_batch(works)
-        logits = self.paged_model.forward(batch)
+        logits = self.paged_model.forward(batch)  # builds the lazy graph
+        t1 = time.perf_counter()
         mx.eval(logits)  # a failing forward raises here, before any fork or sample
-        rows: list[tuple[Sequence, mx.array]] = []
+        t2 = time.perf_counter()
+        self._times.build += t1 - t0
+        self._times.forward += t2 - t1
+        owners: list[int] = []
+        seqs: list[Sequence] = []
+        rows: list[SamplingRow] = []
         for i, owner in enumerate(batch.logit_owners):
             for s in self.scheduler.fork_samples(works[owner].seq):
-                token = self._guard(s, sample_row, s, logits[i])
-                if token is not None:
-                    rows.append((s, token))
-        mx.eval([t for _, t in rows])
-        return [(s, t.item()) for s, t in rows]
+                row = self._guard(s, sampling_row, s)
+                if row is not None:
+                    owners.append(i)
+                    seqs.append(s)
+                    rows.append(row)
+        if not rows:
+            return []
+        if owners != list(range(logits.shape[0])):
+            logits = logits[mx.array(owners, dtype=mx.int32)]
+        try:
+            return self._sample(logits, seqs, rows)
+        except Exception as e:  # never raise past the forks above: isolate rows instead
+            logger.warning("sampling failed (%s); sampling its %d rows alone", e, len(rows))
+        sampled = []
+        for j, (seq, row) in enumerate(zip(seqs, rows)):
+            result = self._guard(seq, self._sample, logits[j : j + 1], [seq], [row])
+            sampled.extend(result or [])
+        return sampled
+
+    def _sample(self, logits: mx.array, seqs: list[Sequence],
+                rows: list[SamplingRow]) -> list[tuple[Sequence, int]]:
+        t0 = time.perf_counter()
+        tokens, keys = sample_rows(logits, rows)
+        mx.eval(tokens, [k for k in keys if k is not None])
+        for seq, key in zip(seqs, keys):
+            seq.key = key
+        sampled = list(zip(seqs, tokens.tolist()))  # one transfer for the whole step
+        self._times.sample += time.perf_counter() - t0
+        return sampled
 
     def _guard(self, seq: Sequence, fn, *args):
         """Run per-sequence work; an exception fails that sequence only."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from engine.blocks import BlockAllocator
 from engine.events import Counters, PoolSnapshot, SequenceState, SessionStats
@@ -26,6 +27,22 @@ _STATE_ORDER = (
     SequenceState.PREEMPTED,
     SequenceState.WAITING,
 )
+
+
+#: States in which a sequence's prompt (or its recompute after preemption) is being fed.
+_PROMPT_STATES = (SequenceState.WAITING, SequenceState.PREFILLING, SequenceState.PREEMPTED)
+
+
+@dataclass
+class StepTimes:
+    """Seconds one step spent in each phase: build is the batch metadata plus the model's
+    lazy graph, forward is evaluating it (waiting for the device)."""
+
+    schedule: float = 0.0
+    build: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    bookkeeping: float = 0.0
 
 
 class Rate:
@@ -54,6 +71,7 @@ class Telemetry:
         self.generated = 0
         self.step_ms = 0.0
         self.sched_ms = 0.0
+        self.phase_ms = StepTimes()  # an EMA per phase, in ms
         self.batch = 0
         self._rate = Rate()
         self._session_rates: dict[str, Rate] = {}
@@ -74,11 +92,14 @@ class Telemetry:
         self._rate.add(now, 1)
         self._session_rates.setdefault(session_id, Rate()).add(now, 1)
 
-    def step(self, batch: int, step_s: float, overhead_s: float) -> None:
-        """One step ran ``batch`` works in ``step_s``, ``overhead_s`` of it outside the model."""
+    def step(self, batch: int, step_s: float, times: StepTimes) -> None:
+        """One step ran ``batch`` works in ``step_s``, split in phases as ``times``."""
         self.batch = batch
         self.step_ms = _ema(self.step_ms, step_s * 1000)
-        self.sched_ms = _ema(self.sched_ms, overhead_s * 1000)
+        self.sched_ms = _ema(self.sched_ms, (times.schedule + times.bookkeeping) * 1000)
+        for name in ("schedule", "build", "forward", "sample", "bookkeeping"):
+            value = getattr(times, name) * 1000
+            setattr(self.phase_ms, name, _ema(getattr(self.phase_ms, name), value))
 
     # ---- snapshots --------------------------------------------------------------------------
 
@@ -106,6 +127,10 @@ class Telemetry:
             prefix_cache_queries=alloc.prefix_queries,
             tokens_per_s=self._rate.per_second(now),
             generated_tokens=self.generated,
+            build_time_ms=self.phase_ms.build,
+            forward_time_ms=self.phase_ms.forward,
+            sample_time_ms=self.phase_ms.sample,
+            bookkeeping_time_ms=self.phase_ms.bookkeeping,
         )
         self.snapshot = PoolSnapshot(
             time=time.time(),
@@ -133,6 +158,9 @@ class Telemetry:
                 if seq.table is not None:
                     stats["blocks"].update(seq.table.blocks)
                     stats["tokens"] += seq.table.num_tokens
+                if seq.state in _PROMPT_STATES and (seq.index == 0 or request.forked):
+                    stats["prompt_done"] += seq.table.num_computed if seq.table else 0
+                    stats["prompt_total"] += len(seq.tokens)
         result = {}
         for sid, s in sessions.items():
             held = s["blocks"]
@@ -146,12 +174,15 @@ class Telemetry:
                 wasted_slots=sum(block_size - fills[b] for b in held),
                 tokens_per_s=rate.per_second(now) if rate is not None else 0.0,
                 requests=s["requests"],
+                prompt_tokens_done=s["prompt_done"],
+                prompt_tokens_total=s["prompt_total"],
             )
         return result
 
 
 def _new_session() -> dict:
-    return {"states": set(), "blocks": set(), "tokens": 0, "requests": 0}
+    return {"states": set(), "blocks": set(), "tokens": 0, "requests": 0, "prompt_done": 0,
+            "prompt_total": 0}
 
 
 def _session_state(states: set[SequenceState]) -> SequenceState:

@@ -13,11 +13,12 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from engine import Engine, FinalEvent, TokenEvent
 from engine.config import SamplingParams
 from engine.models import LoadedModel, load_model
-from engine.sampling import new_key, sample_next
+from engine.sampling import new_key
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,6 +58,30 @@ def sampled_reference(prompt: list[int], params: SamplingParams, index: int,
         history.append(token)
         logits = ref.model(mx.array([[token]]), cache=cache)[0, -1]
     return expected
+
+
+def sample_next(
+    logits: mx.array, params: SamplingParams, history: list[int], key: mx.array | None
+) -> tuple[mx.array, mx.array | None]:
+    """The engine's former per-row sampler, kept verbatim as the reference for the batched
+    one: next token (a lazy scalar) for one row [vocab], and the key for its next draw."""
+    row = logits[None].astype(mx.float32)
+    if params.repetition_penalty != 1.0:
+        context = mx.array(history[-64:], dtype=mx.int32)
+        for processor in make_logits_processors(repetition_penalty=params.repetition_penalty):
+            row = processor(context, row)
+    if params.greedy:
+        return mx.argmax(row, axis=-1)[0], key
+    logprobs = row - mx.logsumexp(row, axis=-1, keepdims=True)
+    if 0.0 < params.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p > 0.0:
+        logprobs = apply_min_p(logprobs, params.min_p)
+    if 0 < params.top_k < logprobs.shape[-1]:  # top_k = vocabulary size keeps every token
+        logprobs = apply_top_k(logprobs, params.top_k)
+    key, draw = mx.random.split(key)
+    token = mx.random.categorical(logprobs * (1.0 / params.temperature), key=draw)
+    return token[0], key
 
 
 def collect(handle) -> tuple[dict[int, list[int]], dict[int, FinalEvent]]:

@@ -197,14 +197,14 @@ def test_over_long_prompt_ends_with_a_clear_error_and_engine_keeps_serving(engin
 
 def test_a_failing_request_fails_alone(engine: Engine, monkeypatch) -> None:
     expected = greedy_reference(chat_prompt(user(QUESTIONS[3])), 16)
-    real_sample_row = step.sample_row
+    real_sampling_row = step.sampling_row
 
-    def explode(seq, logits):
+    def explode(seq):
         if seq.session_id == "faulty" and seq.num_generated >= 2:
             raise RuntimeError("injected fault")
-        return real_sample_row(seq, logits)
+        return real_sampling_row(seq)
 
-    monkeypatch.setattr(step, "sample_row", explode)
+    monkeypatch.setattr(step, "sampling_row", explode)
     bad = engine.submit(messages=user(QUESTIONS[4]),
                         params=SamplingParams(temperature=0.0, max_tokens=30),
                         session_id="faulty")
@@ -278,3 +278,44 @@ def test_failed_load_answers_requests_with_the_load_error(tmp_path) -> None:
         assert len(finals) == 2 and all(f.error == broken.load_error for f in finals.values())
     finally:
         broken.stop()
+
+
+def test_a_seeded_reply_is_the_same_alone_and_inside_a_batch(engine: Engine) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=99)
+    msgs = user("Invent a name for a dog.")
+    alone, _ = collect(engine.submit(messages=msgs, params=params, session_id="inv-alone"))
+    others = [engine.submit(messages=user(q), params=SamplingParams(temperature=0.8, seed=i,
+                                                                    max_tokens=40),
+                            session_id=f"inv-other-{i}") for i, q in enumerate(QUESTIONS[:3])]
+    batched, _ = collect(engine.submit(messages=msgs, params=params, session_id="inv-batch"))
+    for h in others:
+        collect(h)
+    assert batched[0] == alone[0]
+
+
+def test_snapshot_reports_the_prompt_progress_of_a_long_prompt(engine: Engine) -> None:
+    long_text = " ".join(f"Entry {i} of a long inventory of garden tools." for i in range(90))
+    long_prompt = chat_prompt(user(long_text + " Which entry is first?"))
+    runner = engine.submit(messages=user("Count from one to fifty in words."),
+                           params=SamplingParams(temperature=0.0, max_tokens=300),
+                           session_id="progress-runner")
+    wait_until(lambda: runner.token_events >= 2)
+    seen: list[tuple[int, int]] = []
+
+    def progress() -> bool:
+        stats = engine.snapshot().sessions.get("progress-long")
+        if stats is not None and stats.prompt_tokens_total:
+            seen.append((stats.prompt_tokens_done, stats.prompt_tokens_total))
+        return stats is not None and stats.state is SequenceState.DECODING
+
+    handle = engine.submit(prompt_tokens=long_prompt,
+                           params=SamplingParams(temperature=0.0, max_tokens=200),
+                           session_id="progress-long")
+    wait_until(progress)
+    assert {total for _, total in seen} == {len(long_prompt)}
+    partial = [done for done, _ in seen if 0 < done < len(long_prompt)]
+    assert len(set(partial)) >= 2 and partial == sorted(partial)  # it advanced, visibly
+    assert engine.snapshot().sessions["progress-long"].prompt_tokens_total == 0  # decoding now
+    for h in (runner, handle):
+        h.cancel()
+        collect(h)

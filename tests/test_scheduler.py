@@ -99,3 +99,24 @@ def test_batch_limit_leaves_the_rest_waiting_in_order() -> None:
     plan = sched.schedule()
     assert [w.seq for w in plan.works] == seqs[:2]
     assert list(sched.waiting) == seqs[2:]
+
+
+def test_short_prompt_arriving_during_a_long_one_is_admitted_at_once_and_finishes_first() -> None:
+    sched = Scheduler(BlockAllocator(128, 4), max_batch=8, prefill_chunk=8)
+    long = make_seq(list(range(100, 180)), "long")
+    sched.add(long)
+    run(sched, sched.schedule())
+    short = make_seq([1, 2, 3, 4, 5, 6], "short")
+    sched.add(short)
+    steps_to_first_token = 0
+    long_progress = []
+    while short.state is not SequenceState.DECODING:
+        before = long.num_in_table
+        plan = sched.schedule()
+        run(sched, plan)
+        long_progress.append(long.num_in_table - before)
+        steps_to_first_token += 1
+    assert steps_to_first_token == 2  # half the budget on admission, then the rest
+    assert long.state is SequenceState.PREFILLING  # the short one did not wait for it
+    assert all(n >= 4 for n in long_progress)  # the long prompt still advanced every step
+    sched.alloc.check_invariants([s.table for s in sched.running])

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,6 +36,7 @@ from engine.kernels import KernelSource, Launch, Ref
 
 HERE = Path(__file__).resolve().parent
 HEADER = HERE / "metal_emu.h"
+CUDA_HEADER = HERE / "cuda_emu.h"  # the CUDA front end (cuda_generator.py)
 RUNTIME = HERE / "metal_emu_runtime.cpp"
 LINKER_SCRIPT = HERE / "tg.ld"
 BUILD_DIR = HERE.parent / ".kernel_build"
@@ -322,6 +324,7 @@ def build(source: str, extra_flags: tuple[str, ...] = ()) -> Path:
     key = _digest(
         source,
         HEADER.read_bytes(),
+        CUDA_HEADER.read_bytes(),
         LINKER_SCRIPT.read_bytes(),
         rt.name,
         *KERNEL_FLAGS,
@@ -383,25 +386,46 @@ class LaunchResult:
     exe: Path
 
 
+@dataclass(frozen=True)
+class Frontend:
+    """What differs between the Metal and the CUDA source a launch is run from: the generated
+    program, its parameter list, the grid the runtime dispatches, the shared-memory limit."""
+
+    emulator_source: Callable
+    buffer_list: Callable
+    launch_grid: Callable[[Launch], tuple[int, int, int]]
+    tg_limit: int | None = None  # None: the runtime's (Apple GPUs: 32 KiB)
+
+
+def _metal_grid(launch: Launch) -> tuple[int, int, int]:
+    return launch.grid  # dispatchThreads: the runtime makes the edge threadgroups non-uniform
+
+
 def run_launch(
     launch: Launch,
     inputs: list[mx.array],
     *,
     mode: str = "ordered",
     extra_flags: tuple[str, ...] = (),
+    frontend: Frontend | None = None,
 ) -> LaunchResult:
     """Execute one launch in the emulator. ``mode``: "ordered" (deterministic race exposure)
-    or "free" (simdgroup threads run concurrently)."""
+    or "free" (simdgroup threads run concurrently). ``frontend``: Metal when None."""
+    fe = frontend or METAL
     kernel = launch.kernel
     specs = [ArgSpec(a.dtype, tuple(a.shape)) for a in inputs]
-    exe = build(emulator_source(kernel, specs, launch.output_dtypes, launch.template), extra_flags)
-    buffers = buffer_list(kernel, specs, launch.output_dtypes)
+    exe = build(
+        fe.emulator_source(kernel, specs, launch.output_dtypes, launch.template), extra_flags
+    )
+    buffers = fe.buffer_list(kernel, specs, launch.output_dtypes)
     with tempfile.TemporaryDirectory(prefix="metal_emu_") as tmp:
         lines = [
-            "grid {} {} {}".format(*launch.grid),
+            "grid {} {} {}".format(*fe.launch_grid(launch)),
             "threadgroup {} {} {}".format(*launch.threadgroup),
             f"mode {mode}",
         ]
+        if fe.tg_limit is not None:
+            lines.append(f"tg_limit {fe.tg_limit}")
         out_paths = []
         for k, buf in enumerate(buffers):
             path = Path(tmp) / f"buf{k}.bin"
@@ -439,6 +463,9 @@ def run_launch(
             raise EmulatorError(f"{kernel.name}: {_describe_crash(proc.returncode, proc.stderr)}")
         outputs = [from_bytes(p.read_bytes(), shape, dtype) for p, shape, dtype in out_paths]
     return LaunchResult(outputs, exe)
+
+
+METAL = Frontend(emulator_source, buffer_list, _metal_grid)
 
 
 def _itemsize(dtype: mx.Dtype) -> int:

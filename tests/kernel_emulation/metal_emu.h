@@ -271,6 +271,7 @@ struct LaneContext {
   const char* file;
   unsigned line;
   unsigned column;
+  const void* user;        // front-end data of the lane (cuda_emu.h: its LaneAttrs)
 };
 
 extern thread_local LaneContext* tls_lane;

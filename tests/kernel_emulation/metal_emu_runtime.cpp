@@ -417,6 +417,7 @@ struct Launch {
   unsigned grid[3] = {1, 1, 1};
   unsigned tg[3] = {1, 1, 1};
   bool ordered = true;
+  size_t tg_limit = kMaxThreadgroupMemory;  // "tg_limit N": another target's limit (CUDA)
   struct Buffer {
     bool output;
     size_t nbytes;
@@ -444,6 +445,8 @@ Launch read_launch(const char* path) {
       ls >> m;
       if (m != "ordered" && m != "free") fatal("unknown mode %s", m.c_str());
       L.ordered = m == "ordered";
+    } else if (key == "tg_limit") {
+      ls >> L.tg_limit;
     } else if (key == "in" || key == "out") {
       Launch::Buffer b;
       b.output = key == "out";
@@ -508,9 +511,10 @@ int run_main(int argc, char** argv, LaneEntry entry, int num_buffers) {
   char* tg_lo = __metal_emu_tg_start;
   char* tg_hi = __metal_emu_tg_end;
   const size_t tg_bytes = (tg_lo && tg_hi) ? size_t(tg_hi - tg_lo) : 0;
-  if (tg_bytes > kMaxThreadgroupMemory) {
-    fatal("the kernel declares %zu bytes of threadgroup memory; Apple GPUs allow %zu", tg_bytes,
-          kMaxThreadgroupMemory);
+  if (tg_bytes > L.tg_limit) {
+    fatal("the kernel declares %zu bytes of threadgroup memory; %s allow %zu", tg_bytes,
+          L.tg_limit == kMaxThreadgroupMemory ? "Apple GPUs" : "the target's static limits",
+          L.tg_limit);
   }
 
   // MLX: MTL::Size group_dims(min(tx, gx), min(ty, gy), min(tz, gz)); dispatchThreads(grid, ...)

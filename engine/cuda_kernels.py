@@ -1,0 +1,370 @@
+"""CUDA paged-attention kernels (``shaders/paged_attention.cu``) through ``mx.fast.cuda_kernel``.
+
+The Metal kernel's design on NVIDIA GPUs (details in ``shaders/README.md``): one thread block
+per (sequence, KV head, partition) serves every query head of that KV head, so each K/V byte
+is read once; lanes split head_dim and q.k is one warp reduction; fp32 online softmax; split-K
+with a reduce kernel when the batch would leave the GPU under-filled. The same kernel also
+runs prefill chunks (several query tokens of one sequence, causal) straight from the pool,
+so neither decode nor prefill gathers the blocks into a contiguous copy.
+
+As in ``engine.kernels``, a call is a *launch plan*; the CPU emulation harness
+(``tests/kernel_emulation/cuda_generator.py``) executes the very same plans, so the geometry
+chosen here is what CI verifies.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+
+from engine.kernels import (
+    BLOCK_SIZES,
+    DTYPES,
+    HEAD_DIMS,
+    MAX_GROUP,
+    PARTITION_TOKENS,
+    KernelSource,
+    Launch,
+    Ref,
+    _shaders_root,
+)
+
+CUDA_SHADER_PATH = _shaders_root() / "shaders" / "paged_attention.cu"
+
+MAX_ROWS = 8  # prefill rows (query tokens x heads of a group) per block: registers (q, output)
+MAX_WARPS = 4  # warps per thread block
+SHARED_BUDGET = 32768  # bytes of static shared memory for the cross-warp merge (limit 48 KiB)
+SPLIT_BELOW_BLOCKS = 264  # fewer (sequence, KV head) blocks than 2 per SM of an H100/H200
+PREFILL_TOKENS_PER_BLOCK = 8  # most query tokens one block serves in a prefill chunk
+
+_KERNEL = "// ==== kernel: "
+_HEADER = "// ==== header ===="
+
+_SIGNATURES = {
+    "paged_attention": (
+        ("q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"),
+        ("out", "stats"),
+    ),
+    "paged_attention_reduce": (("part_out", "part_stats", "context_lens"), ("out",)),
+}
+
+
+def parse_cuda_source(text: str) -> dict[str, KernelSource]:
+    """Split the .cu file into its shared header and kernel bodies (at the marker lines)."""
+    header: list[str] = []
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines(keepends=True):
+        stripped = line.strip()
+        if stripped == _HEADER:
+            current = header
+        elif stripped.startswith(_KERNEL) and stripped.endswith("===="):
+            name = stripped[len(_KERNEL) :].rstrip("=").strip()
+            if name in sections:
+                raise ValueError(f"kernel {name!r} appears twice in the CUDA source")
+            current = sections[name] = []
+        elif current is not None:
+            current.append(line)
+    missing = set(_SIGNATURES) - set(sections)
+    if missing:
+        raise ValueError(f"CUDA source lacks kernels {sorted(missing)}")
+    head = "".join(header)
+    return {
+        name: KernelSource(name, *_SIGNATURES[name], source="".join(sections[name]), header=head)
+        for name in _SIGNATURES
+    }
+
+
+@lru_cache(maxsize=1)
+def cuda_sources() -> dict[str, KernelSource]:
+    """The kernels of ``shaders/paged_attention.cu`` (read once)."""
+    return parse_cuda_source(CUDA_SHADER_PATH.read_text())
+
+
+def available() -> bool:
+    """True where MLX's CUDA backend is present (an NVIDIA GPU)."""
+    return bool(mx.cuda.is_available())
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> bool:
+    """Whether the CUDA kernel handles this attention shape (else use the reference path)."""
+    return (
+        head_dim in HEAD_DIMS
+        and block_size in BLOCK_SIZES
+        and dtype in DTYPES
+        and num_kv_heads > 0
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+    )
+
+
+@dataclass(frozen=True)
+class Geometry:
+    warps: int  # per thread block
+    partitions: int  # 1: single pass, no reduce
+    partition_tokens: int  # 0 when partitions == 1
+    query_tokens: int  # query tokens per block (1 for decode)
+
+
+@lru_cache(maxsize=512)
+def geometry(
+    batch: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    max_blocks: int,
+    query_len: int = 1,
+    split: bool | None = None,
+    warps: int | None = None,
+) -> Geometry:
+    """Launch geometry for one shape family.
+
+    Decode (``query_len == 1``): split-K when the context can exceed one partition and
+    ``batch * num_kv_heads`` blocks would leave the GPU under-filled; ``split`` forces it
+    (a context that fits one partition is never split). Prefill: a block serves up to
+    ``PREFILL_TOKENS_PER_BLOCK`` query tokens x the group's heads, never split.
+    """
+    qt = 1
+    if query_len > 1:
+        qt = max(1, min(PREFILL_TOKENS_PER_BLOCK, MAX_ROWS // group, query_len))
+        if split:
+            raise ValueError("prefill chunks are not split into partitions")
+        split = False
+    rows = qt * group
+    partitions = max(1, math.ceil(max_blocks * block_size / PARTITION_TOKENS))
+    if split is None:
+        split = batch * num_kv_heads < SPLIT_BELOW_BLOCKS
+    if not split:
+        partitions = 1
+    if warps is None:
+        warps = MAX_WARPS
+        while warps > 1 and warps * rows * head_dim * 4 > SHARED_BUDGET:
+            warps //= 2
+        tokens = PARTITION_TOKENS if partitions > 1 else max_blocks * block_size
+        blocks = max(1, math.ceil(tokens / block_size))
+        while warps > 1 and warps > blocks:  # no idle warps
+            warps //= 2
+    return Geometry(warps, partitions, PARTITION_TOKENS if partitions > 1 else 0, qt)
+
+
+@lru_cache(maxsize=64)
+def _scale_array(scale: float) -> mx.array:
+    return mx.array([scale], dtype=mx.float32)
+
+
+def plan_attention(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+    *,
+    split: bool | None = None,
+    warps: int | None = None,
+    sources: dict[str, KernelSource] | None = None,
+) -> list[Launch]:
+    """The launches computing paged attention (output 0 of the last launch, [B, H, L, D]).
+
+    q [B, H, L, D]: L query tokens per sequence, the last at position ``context_lens - 1``
+    (decode: L = 1; prefill chunk: B = 1), causal among themselves; pools
+    [num_blocks, block_size, num_kv_heads, head_dim]; block_tables int32 [B, max_blocks];
+    context_lens int32 [B], each >= L. The whole pool arrays are passed.
+    """
+    src = sources or cuda_sources()
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, H, L, D], got {q.shape}")
+    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"pools must share a 4-d shape, got {k_pool.shape} and {v_pool.shape}")
+    batch, num_heads, query_len, head_dim = q.shape
+    _, block_size, num_kv_heads, pool_dim = k_pool.shape
+    if pool_dim != head_dim:
+        raise ValueError(f"head_dim {head_dim} != pool head_dim {pool_dim}")
+    if not supports(num_heads, num_kv_heads, head_dim, block_size, q.dtype):
+        raise ValueError(
+            f"unsupported attention shape: {num_heads} heads over {num_kv_heads} KV heads, "
+            f"head_dim {head_dim}, block_size {block_size}, {q.dtype}"
+        )
+    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+        raise ValueError(f"dtypes {q.dtype}, {k_pool.dtype}, {v_pool.dtype} differ")
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [{batch}, max_blocks], got {block_tables.shape}")
+    if context_lens.shape != (batch,):
+        raise ValueError(f"context_lens must be [{batch}], got {context_lens.shape}")
+    if block_tables.dtype != mx.int32:
+        block_tables = block_tables.astype(mx.int32)
+    if context_lens.dtype != mx.int32:
+        context_lens = context_lens.astype(mx.int32)
+
+    group = num_heads // num_kv_heads
+    geo = geometry(
+        batch, num_kv_heads, group, head_dim, block_size, block_tables.shape[1], query_len,
+        split, warps,
+    )
+    if geo.warps not in (1, 2, 4, 8) or geo.warps * geo.query_tokens * group * head_dim * 4 > (
+        49152
+    ):
+        raise ValueError(f"{geo.warps} warps do not fit a thread block for this shape")
+    parts = geo.partitions
+    out_dtype = q.dtype if parts == 1 else mx.float32
+    tiles = math.ceil(query_len / geo.query_tokens)
+    attend = Launch(
+        kernel=src["paged_attention"],
+        inputs=(q, k_pool, v_pool, block_tables, context_lens, _scale_array(float(scale))),
+        template=(
+            ("T", q.dtype),
+            ("O", out_dtype),
+            ("D", head_dim),
+            ("BS", block_size),
+            ("G", group),
+            ("QT", geo.query_tokens),
+            ("NW", geo.warps),
+            ("PART", geo.partition_tokens),
+        ),
+        grid=(32 * geo.warps * parts, num_kv_heads, batch * tiles),
+        threadgroup=(32 * geo.warps, 1, 1),
+        output_shapes=(
+            (batch, num_heads, query_len * parts, head_dim),
+            (batch, num_heads, query_len * parts, 2),
+        ),
+        output_dtypes=(out_dtype, mx.float32),
+    )
+    if parts == 1:
+        return [attend]
+    reduce = Launch(
+        kernel=src["paged_attention_reduce"],
+        inputs=(Ref(0, 0), Ref(0, 1), context_lens),
+        template=(("T", q.dtype), ("D", head_dim), ("PART", geo.partition_tokens)),
+        grid=(32, num_heads, batch),
+        threadgroup=(32, 1, 1),
+        output_shapes=((batch, num_heads, 1, head_dim),),
+        output_dtypes=(q.dtype,),
+    )
+    return [attend, reduce]
+
+
+_kernel_lock = threading.Lock()
+_kernel_objects: dict[KernelSource, object] = {}
+
+
+def kernel_object(kernel: KernelSource):
+    """The ``mx.fast.cuda_kernel`` for ``kernel``, built once (MLX compiles one module per
+    template instantiation, i.e. per shape family, with NVRTC and caches it)."""
+    obj = _kernel_objects.get(kernel)
+    if obj is None:
+        with _kernel_lock:
+            obj = _kernel_objects.get(kernel)
+            if obj is None:
+                obj = mx.fast.cuda_kernel(
+                    name=kernel.name,
+                    input_names=list(kernel.input_names),
+                    output_names=list(kernel.output_names),
+                    source=kernel.source,
+                    header=kernel.header,
+                    ensure_row_contiguous=True,
+                )
+                _kernel_objects[kernel] = obj
+    return obj
+
+
+def run_plan(plan: list[Launch], verbose: bool = False) -> list[list[mx.array]]:
+    """Execute a plan with the CUDA backend; returns every launch's outputs."""
+    results: list[list[mx.array]] = []
+    for launch in plan:
+        inputs = [results[x.launch][x.output] if isinstance(x, Ref) else x for x in launch.inputs]
+        outputs = kernel_object(launch.kernel)(
+            inputs=inputs,
+            template=list(launch.template),
+            grid=launch.grid,
+            threadgroup=launch.threadgroup,
+            output_shapes=[list(s) for s in launch.output_shapes],
+            output_dtypes=list(launch.output_dtypes),
+            verbose=verbose,
+        )
+        results.append(list(outputs))
+    return results
+
+
+@dataclass(frozen=True)
+class _CachedLaunch:
+    kernel: object  # the mx.fast.cuda_kernel
+    template: list
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shapes: list
+    output_dtypes: list
+
+
+_plan_cache: dict[tuple, list[_CachedLaunch]] = {}
+
+
+def _attend(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+) -> mx.array:
+    """Run the plan for these shapes. The plan (validation, geometry, kernel objects) is built
+    once per shape family; later calls only pass arrays: an engine step calls this once per
+    layer, so its Python cost is paid tens of times per token."""
+    if block_tables.dtype != mx.int32:
+        block_tables = block_tables.astype(mx.int32)
+    if context_lens.dtype != mx.int32:
+        context_lens = context_lens.astype(mx.int32)
+    key = (q.shape, q.dtype, k_pool.shape, k_pool.dtype, v_pool.shape, v_pool.dtype,
+           block_tables.shape, context_lens.shape)
+    cached = _plan_cache.get(key)
+    if cached is None:
+        plan = plan_attention(q, k_pool, v_pool, block_tables, context_lens, scale)
+        cached = [
+            _CachedLaunch(kernel_object(x.kernel), list(x.template), x.grid, x.threadgroup,
+                          [list(o) for o in x.output_shapes], list(x.output_dtypes))
+            for x in plan
+        ]
+        _plan_cache[key] = cached
+    first = cached[0]
+    outs = first.kernel(
+        inputs=[q, k_pool, v_pool, block_tables, context_lens, _scale_array(float(scale))],
+        template=first.template, grid=first.grid, threadgroup=first.threadgroup,
+        output_shapes=first.output_shapes, output_dtypes=first.output_dtypes,
+    )
+    if len(cached) == 1:
+        return outs[0]
+    second = cached[1]
+    return second.kernel(
+        inputs=[outs[0], outs[1], context_lens],
+        template=second.template, grid=second.grid, threadgroup=second.threadgroup,
+        output_shapes=second.output_shapes, output_dtypes=second.output_dtypes,
+    )[0]
+
+
+def paged_decode_cuda(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: mx.array,
+    scale: float,
+) -> mx.array:
+    """``engine.attention.reference_decode`` on the CUDA kernel: [B, H, 1, D]."""
+    return _attend(q, k_pool, v_pool, block_tables, context_lens, scale)
+
+
+def paged_prefill_cuda(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_table: mx.array,
+    context_len: int,
+    scale: float,
+) -> mx.array:
+    """``engine.attention.reference_prefill`` on the CUDA kernel: q [1, H, L, D] -> same."""
+    lens = mx.array([context_len], dtype=mx.int32)
+    return _attend(q, k_pool, v_pool, block_table.reshape(1, -1), lens, scale)

@@ -1,0 +1,330 @@
+// Paged attention for PagedChat on NVIDIA GPUs, in the form mx.fast.cuda_kernel takes: kernel
+// BODIES (MLX generates each __global__ signature from the input/output names and turns the
+// template arguments into constexpr values / type aliases at the top of the body).
+// engine/cuda_kernels.py splits this file at the "// ==== kernel: NAME ====" and
+// "// ==== header ====" lines; the text before the first marker (this comment) is not compiled.
+// The same text is compiled on the CPU by the emulation harness (tests/kernel_emulation/
+// cuda_emu.h, see shaders/README.md), so every CI run executes it.
+//
+// The design is the Metal kernel's (paged_attention.metal), with warps for simdgroups:
+// one thread block per (sequence, KV head, partition) serves every query head of that KV head,
+// so each K/V byte is read once; a lane group takes a token, its lanes split head_dim (16-byte
+// loads) and q.k is a short __shfl_xor_sync butterfly; fp32 online softmax; warps take the blocks
+// round-robin and are merged through shared memory; long contexts are split into partitions (split-K) merged by
+// paged_attention_reduce. K/V are read straight from the pool through the block table.
+//
+// Prefill: the same kernel takes L query tokens per sequence (q [B, H, L, D]); a thread block
+// then serves QT consecutive query tokens x the G heads of its KV head (R = QT * G rows), each
+// row causal: query token l of L attends to the first context_len - L + 1 + l tokens. K/V are
+// still read from the pool through the block table (no gathered copy), once per block for all
+// R rows.
+//
+// Pool layout: k_pool, v_pool [num_blocks, BS, num_kv_heads, D], head_dim contiguous.
+
+// ==== header ====
+#ifndef CUDA_EMU  // MLX's default header includes them already; the emulator defines the types
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+// Conversions through the CUDA intrinsics (independent of __CUDA_NO_HALF_CONVERSIONS__).
+__device__ __forceinline__ float pc_f32(float x) { return x; }
+__device__ __forceinline__ float pc_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float pc_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename O>
+__device__ __forceinline__ O pc_cast(float x);
+template <>
+__device__ __forceinline__ float pc_cast<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half pc_cast<__half>(float x) { return __float2half(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 pc_cast<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+
+// VEC consecutive head-dim elements of one K or V row as fp32: one 16-byte load for fp16 and
+// bf16, two for fp32 (rows start at multiples of 8 elements: D is a multiple of 8).
+constexpr int PC_VEC = 8;
+template <typename T>
+__device__ __forceinline__ void pc_load_vec(const T* p, float (&o)[PC_VEC]) {
+  if constexpr (sizeof(T) == 2) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    T h[PC_VEC];
+    memcpy(h, &raw, sizeof(raw));
+    for (int i = 0; i < PC_VEC; ++i) {
+      o[i] = pc_f32(h[i]);
+    }
+  } else {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+    o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+  }
+}
+
+// ==== kernel: paged_attention ====
+//   inputs:  q [B, H, L, D] T; k_pool, v_pool [NB, BS, KVH, D] T; block_tables int32 [B, MB];
+//            context_lens int32 [B] (tokens the LAST query token of each row attends to, its own
+//            included); scale float32 [1]
+//   outputs: out [B, H, L * P, D] O (row ((b * H + h) * L + l) * P + p; P = partitions,
+//            O = T when PART == 0, float for split-K partials, each normalised by its own sum)
+//            stats [B, H, L * P, 2] float: (max scaled score, softmax denominator) per row
+//   template: T, O, D (head dim), BS (block size), G (query heads per KV head), QT (query tokens
+//             per thread block), NW (warps per block), PART (tokens per partition; 0 = all)
+//   grid (32 * NW * P, KVH, B * ceil(L / QT)) threads, block (32 * NW, 1, 1)
+// Work split: a warp is TPW lane groups of TPT lanes; a group takes one token of the block at a
+// time, its lane `sub` holds head-dim elements [sub * VEC, sub * VEC + VEC) (16-byte loads, a
+// row read by the group in one coalesced access), q.k is a log2(TPT)-step xor reduction inside
+// the group. Each group keeps its own fp32 online softmax (max, sum, output) per row over the
+// tokens it saw; the groups of a warp are merged with shuffles, the warps through shared memory.
+constexpr int WARP = 32;
+constexpr unsigned FULL = 0xffffffffu;
+constexpr int VEC = PC_VEC;  // head-dim elements per lane
+constexpr int USED = D / VEC;  // lanes of a group holding elements (8, 10, 12, 16)
+constexpr int TPT = USED <= 8 ? 8 : 16;  // lanes per token (a power of two)
+constexpr int TPW = WARP / TPT;  // tokens a warp works on at once
+constexpr int R = QT * G;  // rows of this block: row r = query token r / G, head r % G
+constexpr float NEG = -1.0e30f;  // finite "minus infinity": no inf arithmetic under fast math
+static_assert(D % VEC == 0 && USED <= 16, "head dim: a multiple of 8, at most 128");
+static_assert(BS % TPW == 0 && BS <= WARP, "block size");
+static_assert(PART % BS == 0, "a partition holds whole blocks");
+static_assert(NW >= 1 && NW * WARP <= 1024, "block size");
+static_assert(QT >= 1 && (QT == 1 || PART == 0), "prefill rows are never split");
+
+__shared__ float sm_ml[NW > 1 ? NW * R * 2 : 1];   // per (warp, row): max, sum
+__shared__ float sm_acc[NW > 1 ? NW * R * D : 1];  // per (warp, row): unnormalised output
+
+const int lane = int(threadIdx.x) & (WARP - 1);
+const int warp = int(threadIdx.x) / WARP;
+const int grp = lane / TPT;  // which token of a step this lane's group takes
+const int sub = lane - grp * TPT;  // which VEC elements of the row this lane holds
+const bool holds = sub < USED;
+const int part = int(blockIdx.x);
+const int num_parts = int(gridDim.x);
+const int kvh = int(blockIdx.y);
+const int L = q_shape[2];
+const int tiles = (L + QT - 1) / QT;
+const int b = int(blockIdx.z) / tiles;
+const int l0 = (int(blockIdx.z) - b * tiles) * QT;
+const int KVH = k_pool_shape[2];
+const int H = KVH * G;
+const int MB = block_tables_shape[1];
+const int ctx = context_lens[b];
+// Scores in base-2 units (q scaled by log2 e): exp2f is one MUFU instruction; the statistics
+// are written back in natural units.
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+const float sc = scale[0] * LOG2E;
+
+// Query token l0 + qi attends to tokens [0, lim[qi]); tokens past L get none.
+int lim[QT];
+for (int qi = 0; qi < QT; ++qi) {
+  lim[qi] = l0 + qi < L ? ctx - L + 1 + l0 + qi : 0;
+}
+const int need = lim[min(QT, L - l0) - 1];  // the block's last real query token sees most
+const int tok_begin = part * PART;
+if (tok_begin >= need) {
+  return;  // the whole block: this partition lies past the end of sequence b
+}
+const int tok_end = PART > 0 ? min(need, tok_begin + PART) : need;
+const int blk_begin = tok_begin / BS;
+const int blk_end = (tok_end + BS - 1) / BS;
+
+// q of the R rows (this lane's elements), scaled, in fp32 registers.
+float qv[R][VEC];
+for (int r = 0; r < R; ++r) {
+  const int qi = r / G;
+  const int g = r - qi * G;
+  const int l = min(l0 + qi, L - 1);
+  const T* qh = q + ((size_t(b) * H + size_t(kvh) * G + g) * L + l) * D + sub * VEC;
+  for (int i = 0; i < VEC; ++i) {
+    qv[r][i] = holds ? pc_f32(qh[i]) * sc : 0.0f;
+  }
+}
+
+float m[R];
+float l[R];
+float acc[R][VEC];
+for (int r = 0; r < R; ++r) {
+  m[r] = NEG;
+  l[r] = 0.0f;
+  for (int i = 0; i < VEC; ++i) {
+    acc[r][i] = 0.0f;
+  }
+}
+
+const size_t tok_stride = size_t(KVH) * D;  // elements between two slots of a block
+const size_t blk_stride = size_t(BS) * tok_stride;
+const T* k_head = k_pool + size_t(kvh) * D + sub * VEC;
+const T* v_head = v_pool + size_t(kvh) * D + sub * VEC;
+const int* table = block_tables + size_t(b) * MB;
+
+for (int base = blk_begin + warp; base < blk_end; base += WARP * NW) {
+  // This warp's next blocks are base, base + NW, ...: lane j reads the table entry of the j-th
+  // (one coalesced read, each entry read once) and __shfl_sync hands it out.
+  const int my_blk = base + lane * NW;
+  const int my_entry = my_blk < blk_end ? table[my_blk] : 0;
+  const int nblk = min(WARP, (blk_end - base + NW - 1) / NW);
+  for (int j = 0; j < nblk; ++j) {
+    const int blk = base + j * NW;
+    const int phys = __shfl_sync(FULL, my_entry, j);
+    const int tok0 = blk * BS;
+    const int ntok = min(BS, tok_end - tok0);
+    const T* kb = k_head + size_t(phys) * blk_stride;
+    const T* vb = v_head + size_t(phys) * blk_stride;
+#pragma unroll
+    for (int t0 = 0; t0 < BS; t0 += TPW) {
+      const int t = t0 + grp;  // this group's token of the block
+      const bool live = t < ntok && holds;
+      float kr[VEC];
+      float vr[VEC];
+      if (live) {
+        pc_load_vec(kb + t * tok_stride, kr);
+        pc_load_vec(vb + t * tok_stride, vr);
+      } else {
+        for (int i = 0; i < VEC; ++i) {
+          kr[i] = 0.0f;
+          vr[i] = 0.0f;
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        float s = 0.0f;
+        for (int i = 0; i < VEC; ++i) {
+          s += qv[r][i] * kr[i];
+        }
+        for (int o = TPT / 2; o > 0; o >>= 1) {  // the whole warp shuffles: uniform
+          s += __shfl_xor_sync(FULL, s, o);
+        }
+        const bool valid = t < ntok && tok0 + t < lim[r / G];
+        const float m_new = valid ? fmaxf(m[r], s) : m[r];
+        const float alpha = exp2f(m[r] - m_new);  // 1 when the max did not move
+        const float p = valid ? exp2f(s - m_new) : 0.0f;
+        l[r] = l[r] * alpha + p;
+        m[r] = m_new;
+        for (int i = 0; i < VEC; ++i) {
+          acc[r][i] = acc[r][i] * alpha + p * vr[i];
+        }
+      }
+    }
+  }
+}
+
+// Merge the TPW lane groups of the warp (xor shuffles across groups; every group ends with the
+// warp's state).
+for (int o = TPT; o < WARP; o <<= 1) {
+  for (int r = 0; r < R; ++r) {
+    const float m_o = __shfl_xor_sync(FULL, m[r], o);
+    const float l_o = __shfl_xor_sync(FULL, l[r], o);
+    const float mm = fmaxf(m[r], m_o);
+    const float a = exp2f(m[r] - mm);
+    const float c = exp2f(m_o - mm);
+    l[r] = l[r] * a + l_o * c;
+    m[r] = mm;
+    for (int i = 0; i < VEC; ++i) {
+      const float acc_o = __shfl_xor_sync(FULL, acc[r][i], o);
+      acc[r][i] = acc[r][i] * a + acc_o * c;
+    }
+  }
+}
+
+// Output row of (query token l0 + qi, head kvh * G + g, this partition).
+#define PC_ROW(qi, g) \
+  (((size_t(b) * H + size_t(kvh) * G + (g)) * L + l0 + (qi)) * num_parts + part)
+if (NW == 1) {
+  for (int r = 0; r < R; ++r) {
+    const int qi = r / G;
+    const int g = r - qi * G;
+    if (l0 + qi >= L) {
+      continue;
+    }
+    const size_t row = PC_ROW(qi, g);
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    if (grp == 0 && holds) {
+      for (int i = 0; i < VEC; ++i) {
+        out[row * D + sub * VEC + i] = pc_cast<O>(acc[r][i] * inv);
+      }
+    }
+    if (lane == 0) {
+      stats[row * 2] = m[r] * LN2;
+      stats[row * 2 + 1] = l[r];
+    }
+  }
+  return;
+}
+
+// Merge the warps' partial softmax states through shared memory.
+for (int r = 0; r < R; ++r) {
+  if (lane == 0) {
+    sm_ml[(warp * R + r) * 2] = m[r];
+    sm_ml[(warp * R + r) * 2 + 1] = l[r];
+  }
+  if (grp == 0 && holds) {
+    for (int i = 0; i < VEC; ++i) {
+      sm_acc[(warp * R + r) * D + sub * VEC + i] = acc[r][i];
+    }
+  }
+}
+__syncthreads();
+
+for (int idx = int(threadIdx.x); idx < R * D; idx += NW * WARP) {
+  const int r = idx / D;
+  const int d = idx - r * D;
+  const int qi = r / G;
+  const int g = r - qi * G;
+  if (l0 + qi >= L) {
+    continue;
+  }
+  float M = NEG;
+  for (int w = 0; w < NW; ++w) {
+    M = fmaxf(M, sm_ml[(w * R + r) * 2]);
+  }
+  float Lsum = 0.0f;
+  float o = 0.0f;
+  for (int w = 0; w < NW; ++w) {
+    const float lw = sm_ml[(w * R + r) * 2 + 1];
+    const float wt = lw > 0.0f ? exp2f(sm_ml[(w * R + r) * 2] - M) : 0.0f;
+    Lsum += wt * lw;
+    o += wt * sm_acc[(w * R + r) * D + d];
+  }
+  const size_t row = PC_ROW(qi, g);
+  out[row * D + d] = pc_cast<O>(Lsum > 0.0f ? o / Lsum : 0.0f);
+  if (d == 0) {
+    stats[row * 2] = M * LN2;
+    stats[row * 2 + 1] = Lsum;
+  }
+}
+#undef PC_ROW
+
+// ==== kernel: paged_attention_reduce ====
+// Split-K reduce (decode, one query token per sequence): merges the partitions written by
+// paged_attention with PART > 0.
+//   inputs:  part_out [B, H, P, D] float (each row normalised by its own sum);
+//            part_stats [B, H, P, 2] float (max score, sum); context_lens int32 [B]
+//   outputs: out [B, H, 1, D] T
+//   template: T, D, PART
+//   grid (32, H, B) threads, block (32, 1, 1): one warp per (sequence, head); lanes split D.
+constexpr float NEG = -1.0e30f;
+const int lane = int(threadIdx.x);
+const int h = int(blockIdx.y);
+const int b = int(blockIdx.z);
+const int H = part_out_shape[1];
+const int P = part_out_shape[2];
+const int np = min(P, (context_lens[b] + PART - 1) / PART);  // partitions holding tokens of b
+const size_t row0 = (size_t(b) * H + h) * P;
+
+float M = NEG;
+for (int p = 0; p < np; ++p) {
+  M = fmaxf(M, part_stats[(row0 + p) * 2]);
+}
+float Lsum = 0.0f;
+for (int p = 0; p < np; ++p) {
+  Lsum += expf(part_stats[(row0 + p) * 2] - M) * part_stats[(row0 + p) * 2 + 1];
+}
+const float inv = 1.0f / Lsum;
+for (int d = lane; d < D; d += 32) {
+  float o = 0.0f;
+  for (int p = 0; p < np; ++p) {
+    const float w = expf(part_stats[(row0 + p) * 2] - M) * part_stats[(row0 + p) * 2 + 1];
+    o += w * part_out[(row0 + p) * D + d];
+  }
+  out[(size_t(b) * H + h) * D + d] = pc_cast<T>(o * inv);
+}

@@ -1,0 +1,118 @@
+// cuda_emu.h: run CUDA kernel source, exactly as mx.fast.cuda_kernel generates it, on the CPU
+// with g++ (C++20). The CUDA front end of the emulator in metal_emu.h: it reuses that
+// runtime's execution model unchanged (see metal_emu.h), with CUDA's names for it:
+//
+//   thread block = threadgroup, warp = simdgroup (32 lanes, the fibers of one OS thread),
+//   threadIdx / blockIdx / blockDim / gridDim = thread_position_in_threadgroup /
+//   threadgroup_position_in_grid / threads_per_threadgroup / threadgroups_per_grid,
+//   __syncthreads() = threadgroup_barrier (a real barrier over the block's warps; warps run
+//   one at a time between barriers, ascending on even blocks and descending on odd ones, so a
+//   missing __syncthreads is caught on every run), __shared__ = function-local statics that the
+//   runtime poisons (0xFF: NaN) before every block, __shfl_*_sync = the simd shuffles (a lane
+//   that returned reads as poison; lanes reaching different shuffles are reported).
+//
+// The generated translation unit is:
+//     #include "cuda_emu.h"            (in place of MLX's default header: utils.cuh, cg)
+//     <header= text> namespace mlx::core::cu { __global__ void custom_kernel_...(...) {
+//       constexpr template values; <body> } }
+//     <a lane-entry function + main() calling metal_emu::run_main>
+// MLX launches ceil(grid / block) blocks of full size (no non-uniform edge blocks as on
+// Metal): the generator rounds the grid up the same way.
+//
+// NOT MODELLED (beyond metal_emu.h's list): the shuffle mask (every call must be made by the
+// whole warp in uniform control flow, which is what the kernels here do); warp-synchronous
+// programming without __syncwarp; atomics, cooperative-groups objects, tensor cores; the
+// precision of __expf and other fast intrinsics (computed precisely); occupancy and timing.
+#ifndef CUDA_EMU_H
+#define CUDA_EMU_H
+
+#include "metal_emu.h"
+
+// metal_emu.h's address-space keywords are Metal's, not CUDA's.
+#undef device
+#undef constant
+#undef thread
+#undef threadgroup
+
+#include <cmath>
+#include <cstdint>
+#include <source_location>
+
+#define CUDA_EMU 1
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__
+#define __shared__ static
+#define __grid_constant__
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+
+typedef _Float16 __half;
+typedef bfloat __nv_bfloat16;
+
+namespace cooperative_groups {}
+
+namespace mlx::core::cu {
+// MLX: cuda::std::array<int32_t, MAX_NDIM> / <int64_t, MAX_NDIM> passed by value; here the
+// runtime's shape and stride buffers (indexing is the same).
+typedef const int32_t* Shape;
+typedef const int64_t* Strides;
+}  // namespace mlx::core::cu
+
+namespace cuda_emu {
+inline const metal_emu::LaneAttrs& attrs() {
+  return *static_cast<const metal_emu::LaneAttrs*>(metal_emu::tls_lane->user);
+}
+}  // namespace cuda_emu
+
+#define threadIdx (::cuda_emu::attrs().thread_position_in_threadgroup)
+#define blockIdx (::cuda_emu::attrs().threadgroup_position_in_grid)
+#define blockDim (::cuda_emu::attrs().threads_per_threadgroup)
+#define gridDim (::cuda_emu::attrs().threadgroups_per_grid)
+#define warpSize 32
+
+#define CUDA_EMU_LOC std::source_location loc = std::source_location::current()
+
+inline void __syncthreads(CUDA_EMU_LOC) {
+  metal_emu::barrier_park(metal_emu::Op::threadgroup_barrier, loc);
+}
+inline void __syncwarp(unsigned = 0xffffffffu, CUDA_EMU_LOC) {
+  metal_emu::barrier_park(metal_emu::Op::simdgroup_barrier, loc);
+}
+
+template <typename T>
+T __shfl_sync(unsigned, T v, int src_lane, int width = 32, CUDA_EMU_LOC) {
+  static_assert(sizeof(T) <= metal_emu::kSlotBytes);
+  (void)width;
+  return metal::simd_shuffle(v, ushort(src_lane & 31), loc);
+}
+template <typename T>
+T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32, CUDA_EMU_LOC) {
+  (void)width;
+  return metal::simd_shuffle_xor(v, ushort(lane_mask & 31), loc);
+}
+template <typename T>
+T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32, CUDA_EMU_LOC) {
+  (void)width;
+  return metal::simd_shuffle_down(v, ushort(delta), loc);
+}
+template <typename T>
+T __shfl_up_sync(unsigned, T v, unsigned delta, int width = 32, CUDA_EMU_LOC) {
+  (void)width;
+  return metal::simd_shuffle_up(v, ushort(delta), loc);
+}
+#undef CUDA_EMU_LOC
+
+// ---- conversions and math intrinsics (computed precisely) ----
+inline float __half2float(__half x) { return float(x); }
+inline __half __float2half(float x) { return __half(x); }
+inline float __bfloat162float(__nv_bfloat16 x) { return float(x); }
+inline __nv_bfloat16 __float2bfloat16(float x) { return __nv_bfloat16(x); }  // nearest even
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+
+#endif  // CUDA_EMU_H
