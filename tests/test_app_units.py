@@ -8,10 +8,11 @@ import sys
 import pytest
 
 from app.chat.markdown import StreamingRenderer, render_markdown, stable_split
-from app.core.records import ChatSettings, Message, SamplingSettings, Status
+from app.core.records import ChatSettings, Message, Status
 from app.core.store import Store
 from app.core.tree import MessageTree
 from app.display import no_display_problem
+from engine import SamplingParams
 
 
 def _msg(conv: str, mid: str, parent: str | None, role: str = "user", text: str = "x") -> Message:
@@ -21,7 +22,7 @@ def _msg(conv: str, mid: str, parent: str | None, role: str = "user", text: str 
 def test_store_round_trip_and_wal(tmp_path):
     store = Store(tmp_path)
     conv = store.create_conversation(
-        "Hello", ChatSettings("be brief", SamplingSettings(temperature=0.2))
+        "Hello", ChatSettings("be brief", SamplingParams(temperature=0.2))
     )
     store.add_message(_msg(conv.id, "a", None, "user", "hi there"))
     store.add_message(_msg(conv.id, "b", "a", "assistant", "hello"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
@@ -192,24 +193,12 @@ class ChatSession(QObject):
         return msg
 
     def _reply(self, parent_id: str, n: int) -> bool:
-        from engine import SamplingParams  # engine types only; the work goes via the bridge
-
         prompt = self.prompt_messages(parent_id)
-        s = self.settings.sampling
         replies = [self._new_message(parent_id, "assistant", "", Status.PENDING) for _ in range(n)]
         self._activate(replies[0].id)
         self.store.touch_conversation(self.id)
         try:
-            params = SamplingParams(
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                min_p=s.min_p,
-                repetition_penalty=s.repetition_penalty,
-                max_tokens=s.max_tokens,
-                seed=s.seed,
-                n=n,
-            )
+            params = dataclasses.replace(self.settings.sampling, n=n)  # validates
             rid = self.bridge.submit(prompt, params, self.id)
         except (ValueError, RuntimeError) as exc:
             for r in replies:
