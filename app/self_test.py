@@ -214,9 +214,9 @@ def run_self_test() -> SelfTestResult:
 def main() -> int:
     """Entry for ``pagedchat --self-test``: print the one-line result, return the exit code."""
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    from app.main import _quiet_offscreen_warnings
+    from app.display import quiet_offscreen_warnings
 
-    _quiet_offscreen_warnings()
+    quiet_offscreen_warnings()
     result = run_self_test()
     print(result.line(), flush=True)
     return 0 if result.ok else 1

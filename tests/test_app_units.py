@@ -12,6 +12,7 @@ from app.core.records import ChatSettings, Message, Status
 from app.core.store import Store
 from app.core.tree import MessageTree
 from app.display import no_display_problem
+from app.theme import MARKDOWN_LIGHT
 from engine import SamplingParams
 
 
@@ -80,26 +81,26 @@ def test_tree_alternatives_remember_their_branch():
 
 
 def test_markdown_code_blocks_and_half_written_text():
-    r = render_markdown("Use this:\n\n```python\nprint('hi')\n```\n\nand `x`.")
+    r = render_markdown("Use this:\n\n```python\nprint('hi')\n```\n\nand `x`.", MARKDOWN_LIGHT)
     assert r.code_blocks == ("print('hi')",)
     assert 'href="copy:0"' in r.html and "<code" in r.html
     # an unclosed fence still renders its code, and the copy text is what was written so far
-    half = render_markdown("```py\ndef f(:\n    return [")
+    half = render_markdown("```py\ndef f(:\n    return [", MARKDOWN_LIGHT)
     assert half.code_blocks == ("def f(:\n    return [",)
     # odd half-written constructs never raise and keep the text
     for text in ("**bold", "| a | b\n|--", "[link](http://", "1. one\n2.", "```", "> quote\n>"):
-        out = render_markdown(text)
+        out = render_markdown(text, MARKDOWN_LIGHT)
         assert out.html
 
 
 def test_streaming_renderer_reparses_only_the_tail():
-    s = StreamingRenderer()
+    s = StreamingRenderer(MARKDOWN_LIGHT)
     text = "First paragraph.\n\n```\ncode\n\nstill code\n```\n\nTail"
     cut = stable_split(text)
     assert text[cut:] == "Tail"  # the blank line inside the fence is not a cut point
     r = s.render(text)
     assert r.code_blocks == ("code\n\nstill code",)
-    full = render_markdown(text)
+    full = render_markdown(text, MARKDOWN_LIGHT)
     assert r.code_blocks == full.code_blocks
 
 
