@@ -28,7 +28,7 @@ from app.core import secrets
 from app.core.app_settings import AppSettings
 from app.core.records import ChatSettings
 from app.forms import ChatSettingsForm, CheckedDialog
-from engine.config import ALLOWED_BLOCK_SIZES
+from engine import BLOCK_SIZES
 
 
 class SettingsDialog(CheckedDialog):
@@ -105,7 +105,7 @@ class SettingsDialog(CheckedDialog):
         f.addRow("&Memory budget:", self.kv_spin)
         self.block_combo = QComboBox()
         self.block_combo.setAccessibleName("Block size")
-        for bs in ALLOWED_BLOCK_SIZES:
+        for bs in BLOCK_SIZES:
             self.block_combo.addItem(f"{bs} tokens", bs)
         self.block_combo.setCurrentIndex(max(0, self.block_combo.findData(s.block_size)))
         f.addRow("&Block size:", self.block_combo)

@@ -387,6 +387,22 @@ class SessionManager(QObject):
             self.store.rename_conversation(conversation_id, title.strip() or DEFAULT_TITLE)
             self.conversationsChanged.emit()
 
+    def latest_or_new(self) -> ChatSession | None:
+        """The most recently updated chat, or a new one when there is none."""
+        convs = self.store.list_conversations()
+        return self.get(convs[0].id) if convs else self.create()
+
+    def prune_empty(self, keep: set[str]) -> None:
+        """Drop untouched "New Chat"s left from earlier runs (those in `keep` are shown)."""
+        for conv in self.store.list_conversations():
+            if conv.id not in keep and not self.store.load_messages(conv.id):
+                self.store.delete_conversation(conv.id)
+
+    def discard_if_unused(self, session: ChatSession) -> None:
+        """A "New Chat" never written in disappears when no pane shows it any more."""
+        if not session.tree.by_id and not session.busy:
+            self.delete(session.id)
+
     def delete(self, conversation_id: str) -> None:
         session = self.sessions.pop(conversation_id, None)
         if session is not None:

@@ -7,19 +7,17 @@ logic agree on what "the model" is. Secrets are not here: see app/core/secrets.p
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.core.records import ChatSettings
 from app.core.serial import from_json, to_json
-from engine import EngineConfig, SamplingParams
-from engine.config import ALLOWED_BLOCK_SIZES
+from engine import BLOCK_SIZES, EngineConfig, SamplingParams, looks_like_repo_id
 
 SETTINGS_KEY = "app_settings"
 MODEL_KINDS = ("default", "folder", "hf")
 THEMES = ("system", "light", "dark")
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
 @dataclass
@@ -51,7 +49,7 @@ class AppSettings:
         elif (
             os.path.exists(os.path.expanduser(spec))
             or spec.startswith(("/", ".", "~"))
-            or not _REPO_ID.match(spec)
+            or not looks_like_repo_id(spec)
         ):
             self.model_kind, self.model_folder = "folder", spec
         else:
@@ -77,7 +75,7 @@ class AppSettings:
                 return f"The model folder {folder} does not exist."
             if not (folder / "config.json").is_file():
                 return f"{folder} is not an mlx-lm model folder (it has no config.json)."
-        if self.model_kind == "hf" and not _REPO_ID.match(self.model_repo.strip()):
+        if self.model_kind == "hf" and not looks_like_repo_id(self.model_repo.strip()):
             return (
                 "A Hugging Face repo id looks like owner/name, e.g. mlx-community/Qwen3-0.6B-4bit."
             )
@@ -100,6 +98,10 @@ class AppSettings:
             **overrides,
         )
 
+    def default_chat(self) -> ChatSettings:
+        """The settings a new chat starts with."""
+        return ChatSettings(self.default_system_prompt, self.default_sampling)
+
     def engine_key(self) -> tuple[str, float, int]:
         """What needs an engine restart when it changes."""
         return (self.model_spec(), float(self.kv_memory_mib), int(self.block_size))
@@ -116,7 +118,7 @@ class AppSettings:
             out.model_kind = "default"
         if out.theme not in THEMES:
             out.theme = "system"
-        if out.block_size not in ALLOWED_BLOCK_SIZES:
+        if out.block_size not in BLOCK_SIZES:
             out.block_size = AppSettings.block_size
         return out
 
