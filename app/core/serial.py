@@ -9,8 +9,11 @@ keeps its default instead of failing the whole load.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import types
+from collections.abc import Callable
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 T = TypeVar("T")
@@ -23,43 +26,76 @@ def to_json(obj: Any) -> dict[str, Any]:
 
 def from_json(cls: type[T], data: Any) -> T:
     """An instance of `cls` from stored JSON: defaults for what is missing or refused."""
-    out = cls()
     if not isinstance(data, dict):
+        return cls()
+    values = {}
+    for name, load in _loaders(cls):
+        if name in data:
+            with contextlib.suppress(TypeError, ValueError):  # wrong type: the default
+                values[name] = load(data[name])
+    try:
+        return cls(**values)  # the usual case: all of it valid, one construction
+    except (TypeError, ValueError):
+        out = cls()
+        for name, value in values.items():  # keep what the class's validation accepts
+            try:
+                out = dataclasses.replace(out, **{name: value})
+            except (TypeError, ValueError):
+                continue
         return out
+
+
+Loader = Callable[[Any], Any]
+
+
+@functools.cache
+def _loaders(cls: type) -> tuple[tuple[str, Loader], ...]:
+    """Each field's name and its loader, worked out once per class from its type hints
+    (resolving hints costs more than loading a record)."""
     hints = get_type_hints(cls)
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name not in data:
-            continue
-        try:
-            value = _coerce(hints[f.name], data[f.name])
-            out = dataclasses.replace(out, **{f.name: value})  # runs the class's validation
-        except (TypeError, ValueError):
-            continue
-    return out
+    return tuple((f.name, _loader(hints[f.name])) for f in dataclasses.fields(cls))
 
 
-def _coerce(hint: Any, value: Any) -> Any:
-    """`value` as the type `hint` names (TypeError/ValueError when it cannot be)."""
+def _loader(hint: Any) -> Loader:
+    """A function turning stored JSON into a value of type `hint`, or raising TypeError or
+    ValueError when it cannot."""
     if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise TypeError(f"expected an object, got {value!r}")
-        return from_json(hint, value)
+        return functools.partial(_load_object, hint)
     origin, args = get_origin(hint), get_args(hint)
     if origin in (Union, types.UnionType):
-        if type(None) in args and value in (None, ""):
-            return None
-        (hint,) = [a for a in args if a is not type(None)]
-        return _coerce(hint, value)
+        (inner,) = [_loader(a) for a in args if a is not type(None)]
+        if type(None) not in args:
+            return inner
+        return lambda v: None if v is None or v == "" else inner(v)
     if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise TypeError(f"expected a list, got {value!r}")
-        return tuple(_coerce(args[0], v) for v in value)
+        item = _loader(args[0])
+        return functools.partial(_load_tuple, item)
     if hint is bool:
-        return bool(value)
+        return bool
     if hint in (int, float):
-        return hint(value)
+        return hint
     if hint is str:
-        if not isinstance(value, str):
-            raise TypeError(f"expected text, got {value!r}")
-        return value
+        return _load_text
+    return functools.partial(_refuse, hint)
+
+
+def _load_object(cls: type, value: Any) -> Any:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected an object, got {value!r}")
+    return from_json(cls, value)
+
+
+def _load_tuple(item: Loader, value: Any) -> tuple[Any, ...]:
+    if not isinstance(value, list | tuple):
+        raise TypeError(f"expected a list, got {value!r}")
+    return tuple(item(v) for v in value)
+
+
+def _load_text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected text, got {value!r}")
+    return value
+
+
+def _refuse(hint: Any, value: Any) -> Any:
     raise TypeError(f"cannot load a {hint!r}")
