@@ -30,8 +30,8 @@ class ActionSpec:
     `args` and `kwargs`, never with the checked flag.
 
     `shortcut`: the first key sequence this platform has. `menu`: a menu path ("&View/&Theme")
-    and a group number (a separator between groups). `adopt`: the name of a window method that
-    returns an existing QAction to dress (a dock's toggle action) instead of a new one.
+    and a group number (a separator between groups). `adopt`: a window method, by the same kind
+    of path, returning an existing QAction to dress (a dock's toggle) instead of a new one.
     `exclusive`: the name of the action group of radio-like choices.
     """
 
@@ -94,7 +94,7 @@ ACTIONS: tuple[ActionSpec, ...] = (
     ),
     ActionSpec("sidebar", "Show &Sidebar", "toggle_sidebar", shortcut=("Ctrl+Shift+S",),
                menu=("&View", 1), checkable=True, checked=True),
-    ActionSpec("monitor", "Show &KV Monitor", adopt="monitor_toggle_action",
+    ActionSpec("monitor", "Show &KV Monitor", adopt="monitor_dock.toggleViewAction",
                shortcut=("Ctrl+Shift+M",), icon="monitor", menu=("&View", 1),
                icon_text="Monitor"),
     *(
@@ -117,16 +117,22 @@ def _shortcut(keys: Sequence[Key]) -> QKeySequence | None:
     return None
 
 
-def _slot(window: QMainWindow, spec: ActionSpec) -> Callable[..., None]:
-    *path, name = (spec.slot or "").split(".")
+def _method(window: QMainWindow, path: str) -> Callable[..., Any] | None:
+    """The method a dotted path names, looked up now (None while a step on the way is None)."""
+    *steps, name = path.split(".")
+    target: Any = window
+    for attr in steps:
+        target = getattr(target, attr)
+        if target is None:
+            return None
+    return getattr(target, name)
 
+
+def _slot(window: QMainWindow, spec: ActionSpec) -> Callable[..., None]:
     def run(_checked: bool = False) -> None:
-        target: Any = window
-        for attr in path:  # looked up when triggered: the focused pane changes
-            target = getattr(target, attr)
-            if target is None:
-                return
-        getattr(target, name)(*spec.args, **spec.kwargs)
+        method = _method(window, spec.slot or "")  # when triggered: the focused pane changes
+        if method is not None:
+            method(*spec.args, **spec.kwargs)
 
     return run
 
@@ -137,7 +143,7 @@ def build_actions(window: QMainWindow, specs: Sequence[ActionSpec] = ACTIONS) ->
     actions: dict[str, QAction] = {}
     groups: dict[str, QActionGroup] = {}
     for spec in specs:
-        a = getattr(window, spec.adopt)() if spec.adopt else QAction(spec.text, window)
+        a = _method(window, spec.adopt)() if spec.adopt else QAction(spec.text, window)
         a.setText(spec.text)
         seq = _shortcut(spec.shortcut)
         if seq is not None:

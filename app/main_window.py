@@ -115,10 +115,6 @@ class MainWindow(QMainWindow):
         self.statusBar().setSizeGripEnabled(False)
         self.resize(1380, 860)
 
-    def monitor_toggle_action(self) -> QAction:
-        """The dock's own show/hide action (dressed by the action table)."""
-        return self.monitor_dock.toggleViewAction()
-
     def _wire(self) -> None:
         self.sidebar.newChatRequested.connect(lambda: self.new_chat())
         self.sidebar.view.openRequested.connect(self.open_chat)
@@ -138,7 +134,6 @@ class MainWindow(QMainWindow):
         self.deck.branchRequested.connect(self.branch)
         self.deck.chatHovered.connect(self.chatHovered)
         self.deck.notice.connect(lambda text: self.statusBar().showMessage(text, 5000))
-        self._pane_count_changed(0)
 
     # ---- the chats, as the monitor sees them ----------------------------------------------
 
@@ -150,11 +145,7 @@ class MainWindow(QMainWindow):
         return colors.accent_color(session_id)
 
     def focus_chat(self, session_id: str) -> bool:
-        pane = self.pane_for(session_id)
-        if pane is None:
-            return False
-        self.focus_pane(self.panes.index(pane))
-        return True
+        return self.deck.focus_chat(session_id)
 
     # ---- panes ---------------------------------------------------------------------------
 

@@ -107,6 +107,13 @@ class PaneDeck(QObject):
             self.set_focused(self.panes[i])
             self.panes[i].focus_input()
 
+    def focus_chat(self, session_id: str) -> bool:
+        """Focus the pane showing this chat; False when none does."""
+        pane = self.pane_for(session_id)
+        if pane is not None:
+            self.focus(self.panes.index(pane))
+        return pane is not None
+
     def set_focused(self, pane: ChatPane, force: bool = False) -> None:
         """Mark `pane` as the focused one (force: announce it even if it already was)."""
         if pane is self.focused and not force:

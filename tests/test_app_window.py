@@ -132,16 +132,18 @@ def _menu_at(window, path: str):
 def test_every_row_of_the_action_table_is_wired_to_the_window_and_its_menu(window):
     from app.actions import ACTIONS, TOOLBAR
 
+    def resolve(path: str):  # "focused_pane.stop": through today's window
+        target = window
+        for attr in path.split("."):
+            target = getattr(target, attr)
+        return target
+
     for spec in ACTIONS:
         action = getattr(window, f"act_{spec.key}")
         if spec.adopt:
-            assert action is getattr(window, spec.adopt)()
-        else:  # the slot resolves through today's window ("focused_pane.stop" included)
-            target = window
-            *path, name = spec.slot.split(".")
-            for attr in path:
-                target = getattr(target, attr)
-            assert callable(getattr(target, name)), spec.slot
+            assert action is resolve(spec.adopt)()
+        else:
+            assert callable(resolve(spec.slot)), spec.slot
         if spec.menu is not None:
             assert action in _menu_at(window, spec.menu[0]).actions(), spec.key
     on_toolbar = [a for a in window.toolbar.actions() if a.iconText() and not a.isSeparator()]
