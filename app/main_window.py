@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QColor
+from PySide6.QtGui import QCloseEvent, QColor
 from PySide6.QtWidgets import (
     QApplication,
     QDialog,
@@ -67,9 +67,7 @@ class MainWindow(QMainWindow):
         self.setUnifiedTitleAndToolBarOnMac(True)
         self._build()
         self.actions_by_key = build_actions(self)
-        self.theme_actions: dict[str, QAction] = {
-            v: self.actions_by_key[f"theme_{v}"] for v, _ in THEMES
-        }
+        self.theme_actions = {v: self.actions_by_key[f"theme_{v}"] for v, _ in THEMES}
         self.theme_actions.get(self.settings.theme, self.theme_actions["system"]).setChecked(True)
         self.model_button = ModelButton()
         self.model_button.clicked.connect(self.open_settings)
@@ -265,14 +263,8 @@ class MainWindow(QMainWindow):
             )
             if answer != QMessageBox.StandardButton.Delete:
                 return False
-        pane = self.pane_for(conversation_id)
         self.manager.delete(conversation_id)
-        if pane is not None:
-            if len(self.panes) > 1:
-                self.deck.close(pane)
-            else:
-                pane.set_session(self.manager.latest_or_new())
-                self.deck.set_focused(pane, force=True)
+        self.deck.drop_chat(conversation_id, self.manager.latest_or_new)
         self._save_soon()
         return True
 

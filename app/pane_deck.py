@@ -101,6 +101,17 @@ class PaneDeck(QObject):
             self.focused.focus_input()
         self.layoutChanged.emit()
 
+    def drop_chat(self, conversation_id: str, replacement: Callable[[], Any]) -> None:
+        """A chat is gone: close its pane; the last pane shows `replacement()` instead."""
+        pane = self.pane_for(conversation_id)
+        if pane is None:
+            return
+        if len(self.panes) > 1:
+            self.close(pane)
+        else:
+            pane.set_session(replacement())
+            self.set_focused(pane, force=True)
+
     def focus(self, i: int) -> None:
         """Focus pane i (0-based), keyboard included; out of range does nothing."""
         if 0 <= i < len(self.panes):
