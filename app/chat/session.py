@@ -252,7 +252,7 @@ class ChatSession(QObject):
         ids[index] = None  # type: ignore[call-overload]
         status = status_for(event.finish_reason, self._quitting)
         text = event.text if (event.text or status != Status.ERROR) else None
-        meta: dict[str, Any] = {"finish_reason": getattr(event.finish_reason, "value", "")}
+        meta: dict[str, Any] = {"finish_reason": str(event.finish_reason)}
         usage = usage_dict(event.usage)
         if usage:
             meta["usage"] = usage

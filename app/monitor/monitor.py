@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 from app.monitor.block_map import BlockMap, BlockMapArea
 from app.monitor.chats import Chats, NoChats
 from app.monitor.counters import (
+    MIB,
     CapacityBar,
     CountersWidget,
     PoolCounters,
@@ -254,10 +255,9 @@ class MonitorPanel(QWidget):
         self.capacity.set_segments(segments, cached, state.num_blocks)
 
     def _update_summary(self, snap: Any) -> None:
-        per_block = snap.bytes_per_block / (1024 * 1024)
         text = (
             f"{snap.num_blocks:,} × {snap.block_size} tok · "
-            f"{fmt_mib(per_block * snap.num_blocks)}"
+            f"{fmt_mib(snap.bytes_per_block * snap.num_blocks / MIB)}"
         )
         if text != self.summary.text():
             self.summary.setText(text)
