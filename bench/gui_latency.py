@@ -45,7 +45,7 @@ async def run(args: argparse.Namespace) -> dict:
     from app.core.store import Store
     from app.engine_bridge import EngineBridge
     from app.main_window import MainWindow
-    from engine import EngineConfig, SamplingParams
+    from engine import EngineConfig, EngineStatus, SamplingParams
 
     data = Path(tempfile.mkdtemp(prefix="pagedchat-bench-"))
     store = Store(data)
@@ -54,9 +54,9 @@ async def run(args: argparse.Namespace) -> dict:
     window.resize(1600, 950)
     window.show()
     bridge.start(EngineConfig(model=args.model, kv_memory_mib=args.kv_memory_mib))
-    while bridge.status not in ("ready", "error"):
+    while bridge.status not in (EngineStatus.READY, EngineStatus.ERROR):
         await asyncio.sleep(0.1)
-    if bridge.status == "error":
+    if bridge.status == EngineStatus.ERROR:
         raise SystemExit(f"model failed to load: {bridge.load_error}")
 
     settings = ChatSettings(sampling=SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
