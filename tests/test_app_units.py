@@ -174,3 +174,27 @@ def test_model_spec_parsing(spec, kind):
     assert s.model_kind == kind
     if kind == "folder":
         assert "does not exist" in s.validate()
+
+
+def test_the_core_runs_without_qt():
+    """What the import contract says statically, at run time too (a lazy import included)."""
+    import subprocess
+    from pathlib import Path
+
+    code = (
+        "import sys, pkgutil, importlib, app.core\n"
+        "for m in pkgutil.iter_modules(app.core.__path__):\n"
+        "    importlib.import_module('app.core.' + m.name)\n"
+        "from app.core.store import Store\n"
+        "from app.core.app_settings import AppSettings\n"
+        "import tempfile\n"
+        "s = Store(tempfile.mkdtemp())\n"
+        "AppSettings().save(s); AppSettings.load(s).engine_config()\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('PySide6', 'qasync'))))\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
