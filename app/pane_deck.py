@@ -22,7 +22,7 @@ MAX_PANES = 4
 
 
 class PaneDeck(QObject):
-    focusChanged = Signal(object)  # the newly focused ChatPane
+    focusChanged = Signal(object)  # the focused ChatPane (again: it may show another chat)
     countChanged = Signal(int)  # panes open
     layoutChanged = Signal()  # panes or their widths changed: worth saving
     notice = Signal(str)  # something the user should read in the status bar
@@ -110,7 +110,7 @@ class PaneDeck(QObject):
             self.close(pane)
         else:
             pane.set_session(replacement())
-            self.set_focused(pane, force=True)
+            self.set_focused(pane)
 
     def focus(self, i: int) -> None:
         """Focus pane i (0-based), keyboard included; out of range does nothing."""
@@ -125,13 +125,13 @@ class PaneDeck(QObject):
             self.focus(self.panes.index(pane))
         return pane is not None
 
-    def set_focused(self, pane: ChatPane, force: bool = False) -> None:
-        """Mark `pane` as the focused one (force: announce it even if it already was)."""
-        if pane is self.focused and not force:
-            return
-        self.focused = pane
-        for p in self.panes:
-            p.set_focused(p is pane)
+    def set_focused(self, pane: ChatPane) -> None:
+        """Mark `pane` as the focused one; announced even when it already was, since the chat
+        it shows may have changed (the sidebar follows it)."""
+        if pane is not self.focused:
+            self.focused = pane
+            for p in self.panes:
+                p.set_focused(p is pane)
         self.focusChanged.emit(pane)
 
     def pane_for(self, conversation_id: str) -> ChatPane | None:
