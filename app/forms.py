@@ -90,7 +90,7 @@ class SamplingForm(QWidget):
             form.addRow(ui.label, w)
 
     def __getattr__(self, name: str) -> QAbstractSpinBox:
-        """The spin box of a field by its name (form.temperature), as tests and users see it."""
+        """A field's spin box by the field's name (form.temperature), for code that names one."""
         widgets = self.__dict__.get("widgets", {})
         if name in widgets:
             return widgets[name]
