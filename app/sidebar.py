@@ -47,7 +47,7 @@ from PySide6.QtWidgets import (
 )
 
 from app import colors, icons
-from app.records import Conversation
+from app.core.records import Conversation
 
 ConvIdRole = Qt.ItemDataRole.UserRole + 1
 UpdatedRole = Qt.ItemDataRole.UserRole + 2
@@ -369,6 +369,16 @@ class Sidebar(QFrame):
         idx = self.proxy.mapFromSource(self.model.index(row))
         if idx.isValid():
             self.view.setCurrentIndex(idx)
+
+    def focus_search(self) -> None:
+        """Put the cursor in the search field, its text selected (the Find command)."""
+        self.search.setFocus()
+        self.search.selectAll()
+
+    def start_rename(self, conversation_id: str) -> None:
+        """Select a chat and open its title for editing (the Rename command)."""
+        self.select(conversation_id)
+        self.view.edit(self.view.currentIndex())
 
     def refresh_icons(self) -> None:
         self.new_button.setIcon(icons.icon("new-chat", size=16))

@@ -386,7 +386,7 @@ class _FakeBridge:
         self.engine = None
 
 
-def test_panel_pages_waiting_content_and_not_paged(qtbot):
+def test_panel_pages_from_waiting_to_content(qtbot):
     from app.monitor import create_monitor
     from app.monitor.monitor import CONTENT, WAITING
 
