@@ -319,3 +319,40 @@ def test_snapshot_reports_the_prompt_progress_of_a_long_prompt(engine: Engine) -
     for h in (runner, handle):
         h.cancel()
         collect(h)
+
+
+def test_overlapped_steps_equal_the_synchronous_path(engine: Engine) -> None:
+    assert engine.config.overlap  # the module's engine overlaps its steps (the default)
+    workload = [
+        (user(QUESTIONS[0]), SamplingParams(temperature=0.0, max_tokens=20)),
+        (user(QUESTIONS[2]), SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24,
+                                            seed=5)),
+        (user(QUESTIONS[0]), SamplingParams(temperature=0.0, stop=("Paris",))),
+        (user(QUESTIONS[6]), SamplingParams(temperature=1.0, max_tokens=12, seed=8, n=2)),
+        (user(QUESTIONS[7]), SamplingParams(temperature=0.0, max_tokens=1)),
+    ]
+
+    def run(eng: Engine, tag: str) -> tuple[dict, list]:
+        handles = [eng.submit(messages=m, params=p, session_id=f"{tag}-{i}")
+                   for i, (m, p) in enumerate(workload)]
+        results = {}
+        for i, h in enumerate(handles):
+            tokens, finals = collect(h)
+            for index, final in finals.items():
+                results[i, index] = (tokens.get(index, []), final.text, final.finish_reason)
+        return results, handles
+
+    sync = Engine(EngineConfig(kv_memory_mib=64, block_size=16, max_batch=16,
+                               prefill_chunk=128, overlap=False))
+    sync.start()
+    try:
+        assert sync.wait_ready(600), sync.load_error
+        expected, _ = run(sync, "sync")
+    finally:
+        sync.stop()
+    got, handles = run(engine, "overlap")
+    assert got == expected
+    assert got[2, 0][1] == "The capital of France is "
+    wait_until(lambda: engine.snapshot().counters.batch_size == 0)
+    for h in handles:  # nothing followed a final: every event was read by collect()
+        assert not h._events
