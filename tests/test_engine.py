@@ -322,37 +322,59 @@ def test_snapshot_reports_the_prompt_progress_of_a_long_prompt(engine: Engine) -
 
 
 def test_overlapped_steps_equal_the_synchronous_path(engine: Engine) -> None:
-    assert engine.config.overlap  # the module's engine overlaps its steps (the default)
+    """Two fresh engines, one overlapping its steps, run the same chats. Every reply ends
+    at its max_tokens at the same step, so both engines batch the same rows in every step
+    (a reply ending early adds one speculative row to the overlapped engine's next step,
+    which changes the other rows' logits in their last bits) and the tokens must be equal,
+    sampled ones included."""
+    assert engine.config.overlap  # the overlapped path is the default
     workload = [
-        (user(QUESTIONS[0]), SamplingParams(temperature=0.0, max_tokens=20)),
-        (user(QUESTIONS[2]), SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24,
+        (user(QUESTIONS[2]), SamplingParams(temperature=0.0, max_tokens=14)),
+        (user(QUESTIONS[4]), SamplingParams(temperature=0.8, top_p=0.9, max_tokens=14,
                                             seed=5)),
-        (user(QUESTIONS[0]), SamplingParams(temperature=0.0, stop=("Paris",))),
-        (user(QUESTIONS[6]), SamplingParams(temperature=1.0, max_tokens=12, seed=8, n=2)),
-        (user(QUESTIONS[7]), SamplingParams(temperature=0.0, max_tokens=1)),
+        (user(QUESTIONS[5]), SamplingParams(temperature=0.7, max_tokens=14, seed=8, n=2)),
     ]
 
-    def run(eng: Engine, tag: str) -> tuple[dict, list]:
-        handles = [eng.submit(messages=m, params=p, session_id=f"{tag}-{i}")
-                   for i, (m, p) in enumerate(workload)]
-        results = {}
-        for i, h in enumerate(handles):
-            tokens, finals = collect(h)
-            for index, final in finals.items():
-                results[i, index] = (tokens.get(index, []), final.text, final.finish_reason)
+    def run(overlap: bool) -> tuple[dict, list]:
+        eng = Engine(EngineConfig(kv_memory_mib=32, block_size=16, max_batch=16,
+                                  prefill_chunk=256, overlap=overlap))
+        eng.start()
+        try:
+            assert eng.wait_ready(600), eng.load_error
+            handles = [eng.submit(messages=m, params=p, session_id=f"ov-{i}")
+                       for i, (m, p) in enumerate(workload)]
+            results = {}
+            for i, h in enumerate(handles):
+                tokens, finals = collect(h)
+                for index, final in finals.items():
+                    results[i, index] = (tokens.get(index, []), final.text,
+                                         final.finish_reason)
+            wait_until(lambda: eng.snapshot().counters.batch_size == 0)
+        finally:
+            eng.stop()
         return results, handles
 
-    sync = Engine(EngineConfig(kv_memory_mib=64, block_size=16, max_batch=16,
-                               prefill_chunk=128, overlap=False))
-    sync.start()
-    try:
-        assert sync.wait_ready(600), sync.load_error
-        expected, _ = run(sync, "sync")
-    finally:
-        sync.stop()
-    got, handles = run(engine, "overlap")
+    expected, _ = run(overlap=False)
+    got, handles = run(overlap=True)
+    assert {r[2] for r in expected.values()} == {FinishReason.LENGTH}  # all end together
     assert got == expected
-    assert got[2, 0][1] == "The capital of France is "
+    for h in handles:  # nothing followed a final: collect() read every event pushed
+        assert not h._events
+
+
+def test_overlapped_replies_end_exactly_at_stop_strings_and_max_tokens(engine) -> None:
+    handles = [
+        engine.submit(messages=user(QUESTIONS[0]), session_id="ov-stop",
+                      params=SamplingParams(temperature=0.0, stop=("Paris",))),
+        engine.submit(messages=user(QUESTIONS[7]), session_id="ov-one",
+                      params=SamplingParams(temperature=0.0, max_tokens=1)),
+        engine.submit(messages=user(QUESTIONS[1]), session_id="ov-long",
+                      params=SamplingParams(temperature=0.0, max_tokens=30)),
+    ]
+    results = [collect(h) for h in handles]
+    assert results[0][1][0].text == "The capital of France is "
+    assert results[0][1][0].finish_reason is FinishReason.STOP
+    assert len(results[1][0][0]) == 1 and results[1][1][0].finish_reason is FinishReason.LENGTH
     wait_until(lambda: engine.snapshot().counters.batch_size == 0)
-    for h in handles:  # nothing followed a final: every event was read by collect()
+    for h in handles:
         assert not h._events
