@@ -280,19 +280,6 @@ def test_failed_load_answers_requests_with_the_load_error(tmp_path) -> None:
         broken.stop()
 
 
-def test_a_seeded_reply_is_the_same_alone_and_inside_a_batch(engine: Engine) -> None:
-    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=99)
-    msgs = user("Invent a name for a dog.")
-    alone, _ = collect(engine.submit(messages=msgs, params=params, session_id="inv-alone"))
-    others = [engine.submit(messages=user(q), params=SamplingParams(temperature=0.8, seed=i,
-                                                                    max_tokens=40),
-                            session_id=f"inv-other-{i}") for i, q in enumerate(QUESTIONS[:3])]
-    batched, _ = collect(engine.submit(messages=msgs, params=params, session_id="inv-batch"))
-    for h in others:
-        collect(h)
-    assert batched[0] == alone[0]
-
-
 def test_snapshot_reports_the_prompt_progress_of_a_long_prompt(engine: Engine) -> None:
     long_text = " ".join(f"Entry {i} of a long inventory of garden tools." for i in range(90))
     long_prompt = chat_prompt(user(long_text + " Which entry is first?"))
