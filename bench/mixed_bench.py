@@ -123,8 +123,14 @@ def build_time_ms(sequences: int, context: int, block_size: int = 16, repeats: i
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller prompts (smoke run)")
+    parser.add_argument("--doc-tokens", type=int, help="length of the mixed workload's document")
+    parser.add_argument("--paste-tokens", type=int, help="length of the long paste")
+    parser.add_argument("--reply", type=int, help="tokens per reply")
     args = parser.parse_args(argv)
     doc_tokens, paste_tokens, reply = (400, 600, 12) if args.quick else (2500, 3600, 48)
+    doc_tokens = args.doc_tokens or doc_tokens
+    paste_tokens = args.paste_tokens or paste_tokens
+    reply = args.reply or reply
     tp_tokens = 16 if args.quick else 64
 
     engine = Engine(EngineConfig(kv_memory_mib=256, block_size=16))
