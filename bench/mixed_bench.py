@@ -8,7 +8,9 @@
 (b) long paste: first-token time and decode tokens/s of a short chat while a long prompt
     prefills, against the same chat alone;
 (c) the step's time split (schedule, build, forward, sample, bookkeeping) at 8 chats, and
-    the time to build one step's batch at 8 and 64 sequences.
+    the time to build one step's batch at 8 and 64 sequences;
+(d) throughput at 1 and 8 chats against ``batch_generate``, and 8 chats with overlapped
+    steps on and off.
 
 Every ratio compares runs made one after the other in this process: on a shared machine the
 absolute numbers move, the ratios much less.
@@ -121,8 +123,15 @@ def build_time_ms(sequences: int, context: int, block_size: int = 16, repeats: i
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller prompts (smoke run)")
+    parser.add_argument("--doc-tokens", type=int, help="length of the mixed workload's document")
+    parser.add_argument("--paste-tokens", type=int, help="length of the long paste")
+    parser.add_argument("--reply", type=int, help="tokens per reply")
     args = parser.parse_args(argv)
     doc_tokens, paste_tokens, reply = (400, 600, 12) if args.quick else (2500, 3600, 48)
+    doc_tokens = args.doc_tokens or doc_tokens
+    paste_tokens = args.paste_tokens or paste_tokens
+    reply = args.reply or reply
+    tp_tokens = 16 if args.quick else 64
 
     engine = Engine(EngineConfig(kv_memory_mib=256, block_size=16))
     engine.start()
@@ -136,15 +145,26 @@ def main(argv: list[str] | None = None) -> str:
     shorts = [engine.encode_chat(chat(q)) for q in SHORT_QUESTIONS[:7]]
     mixed = [doc] + shorts
 
+    eight = [engine.encode_chat(chat(q)) for q in SHORT_QUESTIONS]
+    run_engine(engine, eight[:2], 4, "warm")  # first-call costs out of the measurements
     together = run_engine(engine, mixed, reply, "mix")
-    run_engine(engine, [engine.encode_chat(chat(q)) for q in SHORT_QUESTIONS], reply, "eight")
+    run_engine(engine, eight, reply, "eight")
     split = engine.snapshot().counters  # EMAs over the last steps: 8 chats decoding
     doc_alone = run_engine(engine, [doc], reply, "doc")
     shorts_alone = run_engine(engine, shorts, reply, "shorts")
     latency = short_chat_alone_and_during_paste(engine, engine.encode_chat(chat("Say hi.")),
                                                 paste, reply)
+    tp_engine = {n: run_engine(engine, eight[:n], tp_tokens, f"tp{n}") for n in (1, 8)}
     engine.stop()
+    sync = Engine(EngineConfig(kv_memory_mib=256, block_size=16, overlap=False))
+    sync.start()
+    if not sync.wait_ready():
+        raise SystemExit(f"engine failed to load: {sync.load_error}")
+    tp_sync = run_engine(sync, eight, tp_tokens, "sync8")
+    sync.stop()
     reference = load_model("default")
+    run_batch_generate(reference, eight[:2], 4)
+    tp_mlx = {n: run_batch_generate(reference, eight[:n], tp_tokens) for n in (1, 8)}
     baseline = run_batch_generate(reference, mixed, reply)
     build8, build64 = build_time_ms(8, 600), build_time_ms(64, 600)
 
@@ -179,6 +199,17 @@ def main(argv: list[str] | None = None) -> str:
         f"{split.step_time_ms:.1f} | {non_forward / step:.1%} outside the forward | <= 5% |",
         f"| building one decode step's batch (600-token contexts) | 8 seqs {build8:.3f} ms, "
         f"64 seqs {build64:.3f} ms | | | |",
+    ]
+    for n in (1, 8):
+        lines.append(f"| {n} chat{'s' if n > 1 else ''}: aggregate tokens/s vs batch_generate | "
+                     f"{rate(tp_engine[n]):.1f} | {rate(tp_mlx[n]):.1f} | "
+                     f"{rate(tp_engine[n]) / rate(tp_mlx[n]):.2f}x | "
+                     f"{'>= 1.0x' if n == 1 else '>= 1.3x'} |")
+    lines += [
+        f"| tokens/s at 8 chats / at 1 chat | {rate(tp_engine[8]) / rate(tp_engine[1]):.2f}x | "
+        f"{rate(tp_mlx[8]) / rate(tp_mlx[1]):.2f}x (batch_generate) | | >= 5x |",
+        f"| 8 chats: overlapped steps vs synchronous | {rate(tp_engine[8]):.1f} | "
+        f"{rate(tp_sync):.1f} | {rate(tp_engine[8]) / rate(tp_sync):.2f}x | |",
     ]
     report = "\n".join(lines)
     print(report)

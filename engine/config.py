@@ -46,6 +46,8 @@ class EngineConfig:
     prefill_target: while any chat decodes, a step that also runs prompt tokens aims at this
         multiple of a pure decode step (engine/prefill_budget.py); 0 turns the adaptive
         budget off and every step takes up to ``prefill_chunk`` prompt tokens.
+    overlap: launch each step before reading the previous step's tokens (mlx-lm's
+        BatchGenerator does the same); False runs every step synchronously.
     max_context: per-sequence limit; None means the model's own limit.
     quantized: keep quantized weights (None = decide by backend: yes on Metal, no on CPU).
     """
@@ -56,6 +58,7 @@ class EngineConfig:
     max_batch: int = 16
     prefill_chunk: int = 256
     prefill_target: float = 2.0
+    overlap: bool = True
     max_context: int | None = None
     quantized: bool | None = None
     attention: str = "auto"  # "auto", "reference" or "kernel"

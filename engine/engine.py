@@ -195,6 +195,7 @@ class Engine:
                 logger.exception("engine loop error")
                 message = traceback.format_exc(limit=2).strip().splitlines()[-1]
                 self.output.finish_all(FinishReason.ERROR, f"engine error: {message}")
+        self.stepper.discard_inflight()
         self.output.finish_all(FinishReason.CANCELLED)
         self._answer_queued(FinishReason.CANCELLED, "the engine stopped")
         self._publish(force=True)
@@ -218,7 +219,7 @@ class Engine:
                              set(loaded.tokenizer.eos_token_ids), self.max_context)
         prefill = PrefillBudget(cfg.prefill_chunk, MIN_PROMPT_TOKENS, cfg.prefill_target)
         self.stepper = StepRunner(self.scheduler, self.pool, self.paged_model, self.output,
-                                  self.telemetry, prefill)
+                                  self.telemetry, prefill, overlap=cfg.overlap)
         self._loaded = loaded
         self.model_info = ModelInfo(
             name=loaded.name,

@@ -8,9 +8,13 @@ transfer. Every operation is row-independent, so a row's token does not depend o
 other rows share the step (tests/test_sampling.py checks it against the per-row sampler).
 
 Seeded requests carry their own PRNG key (split once per token) instead of MLX's global
-generator, so a seed reproduces a reply whatever else is in the batch. Each sampled row
-still draws with its own ``mx.random.categorical`` call on its own key: MLX has no batched
-draw over per-row keys, and a batched draw with one key would change the tokens.
+generator, so a row's draw depends only on its own logits, parameters and key, never on the
+other rows (exactly: tests/test_sampling.py). The logits themselves are not batch-invariant:
+the forward's matmuls round differently for another batch composition (about 6e-7 apart on
+the tiny test llama), which can flip a sampled token now and then; a seeded reply replays
+exactly when it runs with the same batches (tests/test_engine.py compares two engines).
+Each sampled row draws with its own ``mx.random.categorical`` call on its own key: MLX has
+no batched draw over per-row keys, and one batched draw with one key would change tokens.
 """
 
 from __future__ import annotations

@@ -99,10 +99,11 @@ class Scheduler:
     def schedule(self, prompt_budget: int | None = None) -> StepPlan:
         """Plan one step; ``prompt_budget`` caps its prompt tokens (default: prefill_chunk).
 
-        Waiting prompts are admitted before running prompts continue (with at most half the
-        budget while some prompt is mid-way, so that one still advances every step), and
-        running prompts continue shortest-remaining first: a short chat arriving during a
-        long paste gets its first token after a few steps, not after the whole paste.
+        Waiting prompts are admitted before running prompts continue (shortest first, with
+        at most half the budget while some prompt is mid-way, so that one still advances
+        every step), and running prompts continue shortest-remaining first: a short chat
+        arriving during a long paste gets its first token after a few steps, not after the
+        whole paste.
         """
         self.steps += 1
         plan = StepPlan()
@@ -142,7 +143,11 @@ class Scheduler:
         """Admit waiting sequences (reusing the prefix cache) within ``budget`` prompt
         tokens, the batch limit and the free blocks; returns the tokens it reserved."""
         used = 0
-        for seq in list(self.waiting):
+        # Preempted sequences first (they were running), then the shortest prompts: a batch
+        # of short chats arriving with a long paste all start before it.
+        order = sorted(self.waiting, key=lambda s: (s.state is not SequenceState.PREEMPTED,
+                                                    s.length))
+        for seq in order:
             if used >= budget or len(self.running) >= self.max_batch:
                 break
             if seq.length > self.capacity_tokens - 1:

@@ -1,5 +1,14 @@
 """One engine step: schedule -> copy -> forward -> sample -> commit, with failure isolation.
 
+Overlapped, as mlx-lm's ``BatchGenerator``: step t+1 is built and launched
+(``mx.async_eval``) with step t's sampled tokens still on the device (they are fed as
+PENDING slots, engine/blocks.py), and only then are step t's tokens read, emitted and
+checked; the host's work hides behind the device's. A sequence that step t ends (EOS, stop
+string, cancel) has had at most one more token computed, which is dropped, never emitted:
+``Output.accept_token`` ignores finished sequences. A reply whose token in flight is its
+last (max_tokens) is not scheduled again at all. Rows that need the in-flight tokens on the
+host (the repetition penalty reads the history) make the step read first.
+
 A failing forward is retried one sequence at a time so that only the culprits fail; an
 exception while handling one sequence (sampling, accepting its token) fails that sequence
 only. Nothing here touches the allocator: forks and frees go through the scheduler.
@@ -9,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
+from engine.blocks import PENDING
 from engine.events import FinishReason
 from engine.kv_pool import KVPool
-from engine.model_adapter import PagedModel, build_step_batch
+from engine.model_adapter import PagedModel, StepBatch, build_step_batch
 from engine.output import Output
 from engine.prefill_budget import PrefillBudget
 from engine.sampling import SamplingRow, sample_rows
@@ -36,99 +47,215 @@ def describe(e: Exception) -> str:
     return f"generation failed: {type(e).__name__}: {e}"
 
 
+@dataclass
+class Launched:
+    """A step whose sampled tokens are still on the device."""
+
+    works: list[SequenceWork]
+    fanout: list[list[Sequence]]  # per work: the sequences drawing from its logits
+    seqs: list[Sequence]  # one per sampled row
+    rows: list[SamplingRow]  # their sampling inputs (keys before this step's draw)
+    tokens: mx.array  # [len(seqs)] lazy
+    keys: list  # each row's next key (lazy)
+
+    def row_of(self, seq: Sequence) -> int:
+        if not hasattr(self, "_rows"):
+            self._rows = {id(s): i for i, s in enumerate(self.seqs)}
+        return self._rows[id(seq)]
+
+
 class StepRunner:
     def __init__(self, scheduler: Scheduler, pool: KVPool, paged_model: PagedModel,
-                 output: Output, telemetry: Telemetry, prefill: PrefillBudget) -> None:
+                 output: Output, telemetry: Telemetry, prefill: PrefillBudget,
+                 overlap: bool = True) -> None:
         self.scheduler = scheduler
         self.pool = pool
         self.paged_model = paged_model
         self.output = output
         self.telemetry = telemetry
         self.prefill = prefill
+        self.overlap = overlap
+        self._inflight: Launched | None = None
         self._times = StepTimes()
 
     def step(self) -> None:
         times = self._times = StepTimes()
         t0 = time.perf_counter()
+        if self._inflight is not None and not self._can_overlap():
+            self._read(self._take_inflight())
+        t_schedule = time.perf_counter()
         plan = self.scheduler.schedule(self.prefill.budget(self.scheduler.decoding))
         for seq, message in plan.failed:
             self.output.finish(seq, FinishReason.ERROR, message)
+        launched = None
+        if plan.works:
+            self.pool.copy_blocks(plan.copies)
+            times.schedule = time.perf_counter() - t_schedule
+            launched = self._launch(plan)
+            self.scheduler.commit(plan)
+        if self._inflight is not None:
+            self._read(self._take_inflight())
+        if launched is not None:
+            if self.overlap:
+                self._inflight = launched
+            else:
+                self._read(launched)
         if not plan.works:
             return
-        self.pool.copy_blocks(plan.copies)
-        times.schedule = time.perf_counter() - t0
-        sampled = self._forward_and_sample(plan)
         t1 = time.perf_counter()
-        self.scheduler.commit(plan)
-        for seq, token in sampled:
-            self._guard(seq, self.output.accept_token, seq, token)
-        t2 = time.perf_counter()
-        times.bookkeeping = t2 - t1
         decodes = sum(1 for w in plan.works if len(w.tokens) == 1)
         prompt_tokens = sum(len(w.tokens) for w in plan.works if len(w.tokens) != 1)
-        self.prefill.observe(t2 - t0, decodes, prompt_tokens)
-        self.telemetry.step(len(plan.works), t2 - t0, times)
+        self.prefill.observe(t1 - t0, decodes, prompt_tokens)
+        self.telemetry.step(len(plan.works), t1 - t0, times)
 
-    def _forward_and_sample(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
-        """Run the batch; on failure, run each sequence alone to fail only the culprits."""
-        try:
-            return self._run_works(plan.works)
-        except Exception as e:
-            if len(plan.works) == 1:
-                self.output.finish(plan.works[0].seq, FinishReason.ERROR, describe(e))
-                return []
-            logger.warning("step failed (%s); isolating its %d sequences", e, len(plan.works))
-        sampled = []
-        for work in plan.works:
+    def discard_inflight(self) -> None:
+        """Let the step in flight finish on the device, unread (the engine is stopping)."""
+        if self._inflight is not None:
+            launched = self._take_inflight()
+            for seq in launched.seqs:
+                seq.inflight = False
             try:
-                sampled.extend(self._run_works([work]))
-            except Exception as e:
-                self.output.finish(work.seq, FinishReason.ERROR, describe(e))
-        return sampled
+                mx.eval(launched.tokens)
+            except Exception:  # its requests are being cancelled anyway
+                logger.exception("the last step failed while the engine stopped")
 
-    def _run_works(self, works: list[SequenceWork]) -> list[tuple[Sequence, int]]:
+    def _take_inflight(self) -> Launched:
+        launched, self._inflight = self._inflight, None
+        return launched
+
+    def _can_overlap(self) -> bool:
+        return self.overlap and all(
+            s.request.params.repetition_penalty == 1.0 for s in self.scheduler.running
+        )
+
+    # ---- launching ----------------------------------------------------------------------------
+
+    def _launch(self, plan: StepPlan) -> Launched | None:
+        """Build and start the step; None when it had to run (and finish) synchronously."""
         t0 = time.perf_counter()
-        batch = build_step_batch(works)
-        logits = self.paged_model.forward(batch)  # builds the lazy graph
+        try:
+            batch = self._feed_inflight(build_step_batch(plan.works), plan.works)
+            logits = self.paged_model.forward(batch)  # builds the lazy graph
+        except Exception as e:  # the graph could not be built: isolate, synchronously
+            logger.warning("step failed (%s); isolating its %d sequences", e, len(plan.works))
+            if self._inflight is not None:
+                self._read(self._take_inflight())
+            for work in plan.works:
+                self._run_alone(work, None)
+            return None
         t1 = time.perf_counter()
-        mx.eval(logits)  # a failing forward raises here, before any fork or sample
-        t2 = time.perf_counter()
         self._times.build += t1 - t0
-        self._times.forward += t2 - t1
-        owners: list[int] = []
+        fanout: list[list[Sequence]] = [[] for _ in plan.works]
         seqs: list[Sequence] = []
         rows: list[SamplingRow] = []
+        owners: list[int] = []
         for i, owner in enumerate(batch.logit_owners):
-            for s in self.scheduler.fork_samples(works[owner].seq):
+            fanout[owner] = self.scheduler.fork_samples(plan.works[owner].seq)
+            for s in fanout[owner]:
                 row = self._guard(s, sampling_row, s)
                 if row is not None:
                     owners.append(i)
                     seqs.append(s)
                     rows.append(row)
         if not rows:
-            return []
+            mx.async_eval(logits)  # the prompt chunk's K/V still has to be written
+            return None
         if owners != list(range(logits.shape[0])):
             logits = logits[mx.array(owners, dtype=mx.int32)]
-        try:
-            return self._sample(logits, seqs, rows)
-        except Exception as e:  # never raise past the forks above: isolate rows instead
-            logger.warning("sampling failed (%s); sampling its %d rows alone", e, len(rows))
-        sampled = []
-        for j, (seq, row) in enumerate(zip(seqs, rows)):
-            result = self._guard(seq, self._sample, logits[j : j + 1], [seq], [row])
-            sampled.extend(result or [])
-        return sampled
-
-    def _sample(self, logits: mx.array, seqs: list[Sequence],
-                rows: list[SamplingRow]) -> list[tuple[Sequence, int]]:
-        t0 = time.perf_counter()
         tokens, keys = sample_rows(logits, rows)
+        t2 = time.perf_counter()
+        mx.async_eval(tokens, [k for k in keys if k is not None])
+        self._times.sample += t2 - t1
+        self._times.forward += time.perf_counter() - t2  # on the CPU it runs right here
+        for s, key in zip(seqs, keys):
+            s.inflight = True
+            s.key = key  # lazy: the next step may draw before this one is read
+        return Launched(list(plan.works), fanout, seqs, rows, tokens, keys)
+
+    def _feed_inflight(self, batch: StepBatch, works: list[SequenceWork]) -> StepBatch:
+        """Put the previous step's sampled tokens (still lazy) where works feed PENDING."""
+        rows, sources = [], []
+        for i, w in enumerate(works):
+            for j, token in enumerate(w.tokens):
+                if token == PENDING:
+                    rows.append(batch.work_rows[i] + j)
+                    sources.append(self._inflight.row_of(w.seq))
+        if not rows:
+            return batch
+        flat = batch.tokens.reshape(-1)
+        flat[mx.array(rows, dtype=mx.int32)] = self._inflight.tokens[
+            mx.array(sources, dtype=mx.int32)].astype(flat.dtype)
+        return replace(batch, tokens=flat[:, None])
+
+    # ---- reading ------------------------------------------------------------------------------
+
+    def _read(self, launched: Launched) -> None:
+        """Read a launched step's tokens (the one device-to-host transfer) and accept them."""
+        t0 = time.perf_counter()
+        try:
+            values = launched.tokens.tolist()
+        except Exception as e:  # the device failed: redo the step one sequence at a time
+            logger.warning("step failed (%s); isolating its %d sequences", e,
+                           len(launched.works))
+            self._rerun(launched)
+            return
+        t1 = time.perf_counter()
+        self._times.forward += t1 - t0
+        for seq, token in zip(launched.seqs, values):
+            self._accept(seq, token)
+        self._times.bookkeeping += time.perf_counter() - t1
+
+    def _accept(self, seq: Sequence, token: int) -> None:
+        self.scheduler.resolve(seq, token)
+        self._guard(seq, self.output.accept_token, seq, token)
+
+    def _rerun(self, launched: Launched) -> None:
+        for seq in launched.seqs:
+            seq.inflight = False
+        rows = dict(zip(map(id, launched.seqs), launched.rows))
+        for work, fanout in zip(launched.works, launched.fanout):
+            if fanout:
+                self._run_alone(work, [(s, rows[id(s)]) for s in fanout if id(s) in rows])
+            else:
+                self._run_alone(work, [])
+
+    def _run_alone(self, work: SequenceWork, samples: list | None) -> None:
+        """Run one work synchronously; an exception fails its sequences only.
+
+        samples: the (sequence, row) pairs drawing from its logits when they were decided
+        at launch (None: decide now, forking if the prompt just ended).
+        """
+        seq = work.seq
+        if seq.finished:
+            return
+        try:
+            tokens = [seq.tokens[work.start + j] if t == PENDING else t
+                      for j, t in enumerate(work.tokens)]
+            batch = build_step_batch([replace(work, tokens=tokens)])
+            logits = self.paged_model.forward(batch)
+            mx.eval(logits)
+        except Exception as e:
+            self.output.finish(seq, FinishReason.ERROR, describe(e))
+            for s, _ in samples or []:
+                self.output.finish(s, FinishReason.ERROR, describe(e))
+            return
+        if not work.want_logits:
+            return
+        if samples is None:
+            samples = [(s, row) for s in self.scheduler.fork_samples(seq)
+                       if (row := self._guard(s, sampling_row, s)) is not None]
+        for s, row in samples:
+            if s.finished:
+                continue
+            token = self._guard(s, self._sample_one, s, logits[0:1], row)
+            if token is not None:
+                self._accept(s, token)
+
+    def _sample_one(self, seq: Sequence, logits: mx.array, row: SamplingRow) -> int:
+        tokens, keys = sample_rows(logits, [row])
         mx.eval(tokens, [k for k in keys if k is not None])
-        for seq, key in zip(seqs, keys):
-            seq.key = key
-        sampled = list(zip(seqs, tokens.tolist()))  # one transfer for the whole step
-        self._times.sample += time.perf_counter() - t0
-        return sampled
+        seq.key = keys[0]
+        return tokens.item()
 
     def _guard(self, seq: Sequence, fn, *args):
         """Run per-sequence work; an exception fails that sequence only."""

@@ -36,7 +36,9 @@ _PROMPT_STATES = (SequenceState.WAITING, SequenceState.PREFILLING, SequenceState
 @dataclass
 class StepTimes:
     """Seconds one step spent in each phase: build is the batch metadata plus the model's
-    lazy graph, forward is evaluating it (waiting for the device)."""
+    lazy graph, sample the sampler's graph, forward is launching and waiting for the
+    device (MLX's CPU backend evaluates inside ``mx.async_eval``), bookkeeping is reading
+    and accepting the tokens."""
 
     schedule: float = 0.0
     build: float = 0.0

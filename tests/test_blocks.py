@@ -163,3 +163,22 @@ def test_identical_prefixes_computed_at_once_keep_one_cached_copy() -> None:
         alloc.mark_computed(t)
     alloc.check_invariants([a, b])  # includes: no two cached blocks share a hash
     assert alloc.is_cached(a.blocks[0]) != alloc.is_cached(b.blocks[0])
+
+
+def test_a_pending_token_is_hashed_and_shown_only_once_resolved() -> None:
+    from engine.blocks import PENDING
+
+    alloc = BlockAllocator(8, 4)
+    table = BlockTable(owner="s")
+    alloc.append(table, [1, 2, 3])
+    alloc.mark_computed(table)
+    alloc.append(table, [PENDING])  # the block is full, its last token not known yet
+    assert table.hashes == []
+    assert alloc.block_state()[4][table.blocks[0]] == (1, 2, 3)
+    alloc.check_invariants([table])
+    alloc.resolve_pending(table, 4)
+    alloc.mark_computed(table)
+    assert alloc.block_state()[4][table.blocks[0]] == (1, 2, 3, 4)
+    alloc.check_invariants([table])
+    other = BlockTable(owner="t")
+    assert alloc.reuse_prefix(other, [1, 2, 3, 4, 5]) == 4  # named in the prefix cache

@@ -280,19 +280,6 @@ def test_failed_load_answers_requests_with_the_load_error(tmp_path) -> None:
         broken.stop()
 
 
-def test_a_seeded_reply_is_the_same_alone_and_inside_a_batch(engine: Engine) -> None:
-    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=99)
-    msgs = user("Invent a name for a dog.")
-    alone, _ = collect(engine.submit(messages=msgs, params=params, session_id="inv-alone"))
-    others = [engine.submit(messages=user(q), params=SamplingParams(temperature=0.8, seed=i,
-                                                                    max_tokens=40),
-                            session_id=f"inv-other-{i}") for i, q in enumerate(QUESTIONS[:3])]
-    batched, _ = collect(engine.submit(messages=msgs, params=params, session_id="inv-batch"))
-    for h in others:
-        collect(h)
-    assert batched[0] == alone[0]
-
-
 def test_snapshot_reports_the_prompt_progress_of_a_long_prompt(engine: Engine) -> None:
     long_text = " ".join(f"Entry {i} of a long inventory of garden tools." for i in range(90))
     long_prompt = chat_prompt(user(long_text + " Which entry is first?"))
@@ -319,3 +306,62 @@ def test_snapshot_reports_the_prompt_progress_of_a_long_prompt(engine: Engine) -
     for h in (runner, handle):
         h.cancel()
         collect(h)
+
+
+def test_overlapped_steps_equal_the_synchronous_path(engine: Engine) -> None:
+    """Two fresh engines, one overlapping its steps, run the same chats. Every reply ends
+    at its max_tokens at the same step, so both engines batch the same rows in every step
+    (a reply ending early adds one speculative row to the overlapped engine's next step,
+    which changes the other rows' logits in their last bits) and the tokens must be equal,
+    sampled ones included."""
+    assert engine.config.overlap  # the overlapped path is the default
+    workload = [
+        (user(QUESTIONS[2]), SamplingParams(temperature=0.0, max_tokens=14)),
+        (user(QUESTIONS[4]), SamplingParams(temperature=0.8, top_p=0.9, max_tokens=14,
+                                            seed=5)),
+        (user(QUESTIONS[5]), SamplingParams(temperature=0.7, max_tokens=14, seed=8, n=2)),
+    ]
+
+    def run(overlap: bool) -> tuple[dict, list]:
+        eng = Engine(EngineConfig(kv_memory_mib=32, block_size=16, max_batch=16,
+                                  prefill_chunk=256, overlap=overlap))
+        eng.start()
+        try:
+            assert eng.wait_ready(600), eng.load_error
+            handles = [eng.submit(messages=m, params=p, session_id=f"ov-{i}")
+                       for i, (m, p) in enumerate(workload)]
+            results = {}
+            for i, h in enumerate(handles):
+                tokens, finals = collect(h)
+                for index, final in finals.items():
+                    results[i, index] = (tokens.get(index, []), final.text,
+                                         final.finish_reason)
+            wait_until(lambda: eng.snapshot().counters.batch_size == 0)
+        finally:
+            eng.stop()
+        return results, handles
+
+    expected, _ = run(overlap=False)
+    got, handles = run(overlap=True)
+    assert {r[2] for r in expected.values()} == {FinishReason.LENGTH}  # all end together
+    assert got == expected
+    for h in handles:  # nothing followed a final: collect() read every event pushed
+        assert not h._events
+
+
+def test_overlapped_replies_end_exactly_at_stop_strings_and_max_tokens(engine) -> None:
+    handles = [
+        engine.submit(messages=user(QUESTIONS[0]), session_id="ov-stop",
+                      params=SamplingParams(temperature=0.0, stop=("Paris",))),
+        engine.submit(messages=user(QUESTIONS[7]), session_id="ov-one",
+                      params=SamplingParams(temperature=0.0, max_tokens=1)),
+        engine.submit(messages=user(QUESTIONS[1]), session_id="ov-long",
+                      params=SamplingParams(temperature=0.0, max_tokens=30)),
+    ]
+    results = [collect(h) for h in handles]
+    assert results[0][1][0].text == "The capital of France is "
+    assert results[0][1][0].finish_reason is FinishReason.STOP
+    assert len(results[1][0][0]) == 1 and results[1][1][0].finish_reason is FinishReason.LENGTH
+    wait_until(lambda: engine.snapshot().counters.batch_size == 0)
+    for h in handles:
+        assert not h._events

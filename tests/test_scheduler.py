@@ -120,3 +120,24 @@ def test_short_prompt_arriving_during_a_long_one_is_admitted_at_once_and_finishe
     assert long.state is SequenceState.PREFILLING  # the short one did not wait for it
     assert all(n >= 4 for n in long_progress)  # the long prompt still advanced every step
     sched.alloc.check_invariants([s.table for s in sched.running])
+
+
+def test_a_token_in_flight_is_fed_as_pending_and_resolved_when_read() -> None:
+    from engine.blocks import PENDING
+
+    sched = Scheduler(BlockAllocator(16, 4), max_batch=8, prefill_chunk=64)
+    seq = make_seq([1, 2, 3], "s")
+    seq.request.params = SamplingParams(temperature=0.0, max_tokens=2)
+    sched.add(seq)
+    sched.commit(sched.schedule())
+    seq.inflight = True  # its first token was sampled, not read yet
+    plan = sched.schedule()
+    assert [w.tokens for w in plan.works] == [[PENDING]] and plan.works[0].start == 3
+    sched.commit(plan)
+    sched.resolve(seq, 7)  # step 1's token is read while step 2 runs
+    seq.tokens.append(7)
+    assert seq.table.tokens == [1, 2, 3, 7] and not seq.inflight
+    sched.alloc.check_invariants([seq.table])
+    assert sched.alloc.block_state()[4][seq.table.blocks[0]] == (1, 2, 3, 7)
+    seq.inflight = True  # step 2's token is in flight: the reply's last (max_tokens=2)
+    assert sched.schedule().works == []  # nothing is computed past the last token
