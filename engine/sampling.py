@@ -40,7 +40,7 @@ def sample_next(
         logprobs = apply_top_p(logprobs, params.top_p)
     if params.min_p > 0.0:
         logprobs = apply_min_p(logprobs, params.min_p)
-    if params.top_k > 0:
+    if 0 < params.top_k < logprobs.shape[-1]:  # top_k = vocabulary size keeps every token
         logprobs = apply_top_k(logprobs, params.top_k)
     key, draw = mx.random.split(key)
     token = mx.random.categorical(logprobs * (1.0 / params.temperature), key=draw)
