@@ -47,8 +47,12 @@ class StepRunner:
     def step(self) -> None:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        for seq, message in plan.failed:
-            self.output.finish(seq, FinishReason.ERROR, message)
+        for seq, message in plan.failed:  # it needs more KV than the whole pool holds
+            if seq.num_generated:
+                # A reply stopped by the pool's size is a normal stop: it keeps its text.
+                self.output.end_at_pool_limit(seq, self.scheduler.capacity_tokens)
+            else:
+                self.output.finish(seq, FinishReason.ERROR, message)
         if not plan.works:
             return
         self.pool.copy_blocks(plan.copies)
