@@ -61,7 +61,7 @@ class _Submit:
 
 @dataclass(frozen=True)
 class _Cancel:
-    request_id: str | None = None
+    handle: RequestHandle | None = None  # one request (by handle: ids may be reused)
     session_id: str | None = None
 
 
@@ -192,8 +192,8 @@ class Engine:
         """Cancel every request of a chat (for a deleted chat) and forget its stats."""
         self._inbox.put(_Cancel(session_id=session_id))
 
-    def _request_cancel(self, request_id: str) -> None:
-        self._inbox.put(_Cancel(request_id=request_id))
+    def _request_cancel(self, handle: RequestHandle) -> None:
+        self._inbox.put(_Cancel(handle=handle))
 
     # ---- queries (any thread) ---------------------------------------------------------------
 
@@ -382,9 +382,9 @@ class Engine:
         self.telemetry.add_session(item.session_id)
 
     def _cancel(self, item: _Cancel) -> None:
-        if item.request_id is not None:
-            request = self.output.requests.get(item.request_id)
-            if request is not None:
+        if item.handle is not None:
+            request = self.output.requests.get(item.handle.request_id)
+            if request is not None and request.handle is item.handle:
                 self.output.finish_request(request, FinishReason.CANCELLED)
             return
         requests = self.output.requests.values()

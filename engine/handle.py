@@ -17,7 +17,8 @@ from engine.events import Event, FinalEvent
 
 class RequestHandle:
     def __init__(
-        self, request_id: str, session_id: str, n: int, cancel: Callable[[str], None],
+        self, request_id: str, session_id: str, n: int,
+        cancel: Callable[[RequestHandle], None],
         on_done: Callable[[RequestHandle], None] | None = None,
     ) -> None:
         self.request_id = request_id
@@ -63,8 +64,11 @@ class RequestHandle:
         return self._finals >= self.n
 
     def cancel(self) -> None:
-        """Stop generating; the engine frees this request's blocks before its next step."""
-        self._cancel(self.request_id)
+        """Stop generating; the engine frees this request's blocks before its next step.
+
+        Cancels this request only, never a later one that reuses its id."""
+        if not self.done:
+            self._cancel(self)
 
     def __iter__(self) -> Iterator[Event]:
         read_finals = 0

@@ -26,7 +26,6 @@ import mlx.core as mx
 import pytest
 
 from engine import Engine, EngineConfig, FinishReason, SamplingParams, TokenEvent
-from engine.chat_format import encode_segmented
 from tests.reference import chat_prompt, collect, greedy_reference, reference_model, wait_until
 from tests.tiny_model import budget_mib, greedy_with_margin, make_tiny_model
 
@@ -432,6 +431,8 @@ def test_typed_role_markers_are_tokenized_as_text(engine: Engine) -> None:
 @pytest.mark.parametrize("content", ["What is 2+2?", "  leading and trailing  \n\n",
                                      "\n\n\n  x <b> y", "tabs\tand émojis 🙂", "<|im_sta rt|>"])
 def test_plain_text_tokenizes_as_the_template_does(engine: Engine, content: str) -> None:
+    from engine.chat_format import encode_segmented
+
     tokenizer = reference_model().tokenizer
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content},
                 {"role": "assistant", "content": content}, {"role": "user", "content": "more"}]
