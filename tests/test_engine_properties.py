@@ -113,28 +113,38 @@ def world(tmp_path_factory):
     engine.stop()
 
 
-submit_op = st.fixed_dictionaries({
-    "op": st.just("submit"),
-    "prompt": st.integers(0, len(PROMPT_LENGTHS) - 1),
-    "messages": st.integers(0, len(MESSAGES) - 1) | st.none(),
-    "max_tokens": st.integers(1, MAX_NEW),
-    "greedy": st.booleans(),
-    "n": st.integers(1, 3),
-    "seed": st.none() | st.integers(0, 2**64 - 1),
-    "session": st.sampled_from(SESSIONS) | st.sampled_from(BAD_SESSIONS),
-    "request_id": st.none() | st.sampled_from(REQUEST_IDS) | st.sampled_from(BAD_REQUEST_IDS),
-    "bad": st.none() | st.none() | st.sampled_from(BAD_FIELDS),
-    "bad_how": st.sampled_from(["construct", "force", "explode"]),
-})
-cancel_op = st.fixed_dictionaries({"op": st.just("cancel"), "which": st.integers(0, 20)})
-cancel_session_op = st.fixed_dictionaries({"op": st.just("cancel_session"),
-                                           "session": st.sampled_from(SESSIONS)})
-progress_op = st.fixed_dictionaries({"op": st.just("progress"), "which": st.integers(0, 20)})
-# A restart reloads the model (about 1.5 s, mostly the tokenizer): rarer than the rest.
-other_op = st.one_of(cancel_op, cancel_session_op, progress_op, cancel_op, cancel_session_op,
-                     progress_op, st.fixed_dictionaries({"op": st.just("stop")}),
-                     st.fixed_dictionaries({"op": st.just("start")}))
-operations = st.lists(st.one_of(submit_op, submit_op, other_op), min_size=1, max_size=10)
+#: Operation kinds, repeated to weigh them (sampled_from draws its elements evenly). A restart
+#: reloads the model (about 1.5 s, mostly the tokenizer), so stop is rarer than the rest.
+KINDS = ("submit",) * 6 + ("cancel",) * 2 + ("progress",) * 2 + ("cancel_session", "stop",
+                                                                  "start")
+
+
+@st.composite
+def operation(draw) -> dict:
+    kind = draw(st.sampled_from(KINDS))
+    if kind in ("cancel", "progress"):
+        return {"op": kind, "which": draw(st.integers(0, 20))}
+    if kind == "cancel_session":
+        return {"op": kind, "session": draw(st.sampled_from(SESSIONS))}
+    if kind != "submit":
+        return {"op": kind}
+    bad_how = draw(st.sampled_from(("valid",) * 4 + ("construct", "force", "explode")))
+    return {
+        "op": kind,
+        "prompt": draw(st.integers(0, len(PROMPT_LENGTHS) - 1)),
+        "messages": draw(st.sampled_from((None,) * 3 + tuple(range(len(MESSAGES))))),
+        "max_tokens": draw(st.integers(1, MAX_NEW)),
+        "greedy": draw(st.booleans()),
+        "n": draw(st.integers(1, 3)),
+        "seed": draw(st.none() | st.integers(0, 2**64 - 1)),
+        "session": draw(st.sampled_from(SESSIONS * 3 + BAD_SESSIONS)),
+        "request_id": draw(st.sampled_from((None,) * 3 + REQUEST_IDS + BAD_REQUEST_IDS)),
+        "bad": None if bad_how == "valid" else draw(st.sampled_from(BAD_FIELDS)),
+        "bad_how": bad_how,
+    }
+
+
+operations = st.lists(operation(), min_size=1, max_size=10)
 
 
 def _params(op: dict) -> SamplingParams:
@@ -149,36 +159,32 @@ def _submit(world: World, op: dict, sent: list[Sent], by_id: dict, running: bool
         kwargs["messages"] = MESSAGES[op["messages"]]
     else:
         kwargs["prompt_tokens"] = world.prompts[op["prompt"]]
-    explode = False
-    if op["bad"] is not None:
-        name, value = op["bad"]
-        if op["bad_how"] == "construct":  # refused where it is made, or at submit (top_k)
-            try:
-                params = SamplingParams(**{name: value})
-            except ValueError as e:
-                assert str(e).startswith(f"{name} must be "), str(e)
-                return
-            assert name == "top_k", f"{name}={value!r} was accepted"
-            with pytest.raises(ValueError, match=f"^{name} must be "):
-                engine.submit(params=params, **kwargs)
-            return
-        params = _params(op)
-        if op["bad_how"] == "force":  # a frozen dataclass forced into a bad state
-            object.__setattr__(params, name, value)
-            with pytest.raises(ValueError, match=f"^{name} must be "):
-                engine.submit(params=params, **kwargs)
-            return
-        explode = True
-        params = _ExplodingParams(max_tokens=op["max_tokens"], n=op["n"])
-    else:
-        params = _params(op)
+    problems = []  # what submit must name, when it refuses (any one of them)
     if op["session"] not in SESSIONS:
-        with pytest.raises(ValueError, match="session_id"):
-            engine.submit(params=params, **kwargs)
-        return
+        problems.append("session_id")
     if op["request_id"] is not None and op["request_id"] not in REQUEST_IDS:
-        with pytest.raises(ValueError, match="request_id"):
+        problems.append("request_id")
+    explode = op["bad_how"] == "explode"
+    params = (_ExplodingParams(max_tokens=op["max_tokens"], n=op["n"]) if explode
+              else _params(op))
+    if op["bad_how"] == "construct":  # refused where it is made, or at submit (top_k)
+        name, value = op["bad"]
+        try:
+            params = SamplingParams(**{name: value})
+        except ValueError as e:
+            assert str(e).startswith(f"{name} must be "), str(e)
+            return
+        assert name == "top_k", f"{name}={value!r} was accepted"
+        problems.append(name)
+    elif op["bad_how"] == "force":  # a frozen dataclass forced into a bad state
+        name, value = op["bad"]
+        object.__setattr__(params, name, value)
+        problems.append(name)
+    if problems:
+        with pytest.raises(ValueError) as info:
             engine.submit(params=params, **kwargs)
+        assert any(str(info.value).startswith(f"{p} must be ") for p in problems), \
+            (problems, str(info.value))
         return
     previous = by_id.get(op["request_id"])
     previous_done = previous is None or previous.handle.done
