@@ -102,6 +102,10 @@ class Engine:
             self._ready.clear()
             self.load_error = None
             self.telemetry = Telemetry()
+            # A restart loads the model and allocates the pool afresh: let the old ones go
+            # first, so memory never holds two of each.
+            self._loaded = self.model_info = None
+            self.pool = self.paged_model = self.stepper = None
             self.status = EngineStatus.LOADING
             self._thread = threading.Thread(target=self._run, name="pagedchat-engine",
                                             daemon=True)
@@ -203,17 +207,18 @@ class Engine:
 
     def count_tokens(self, messages: Seq[dict]) -> int:
         """Prompt tokens of ``messages`` after the chat template (0 before the model loads)."""
-        if self._loaded is None:
+        loaded = self._loaded
+        if loaded is None:
             return 0
-        messages, _ = _checked_prompt(messages, None)
-        return len(apply_template(self._loaded.tokenizer, messages))
+        return len(apply_template(loaded.tokenizer, _checked_messages(messages)))
 
     def encode_chat(self, messages: Seq[dict], add_generation_prompt: bool = True) -> list[int]:
         """The token ids the engine would feed for ``messages`` (needs the model loaded)."""
-        if self._loaded is None:
+        loaded = self._loaded
+        if loaded is None:
             raise RuntimeError("the model is not loaded yet")
-        messages, _ = _checked_prompt(messages, None)
-        return apply_template(self._loaded.tokenizer, messages, add_generation_prompt)
+        return apply_template(loaded.tokenizer, _checked_messages(messages),
+                              add_generation_prompt)
 
     def decode(self, token_ids: Seq[int]) -> str:
         if self._loaded is None:
@@ -398,20 +403,7 @@ def _checked_prompt(messages, prompt_tokens) -> tuple[list[dict] | None, list[in
     if (messages is None) == (prompt_tokens is None):
         raise ValueError("give either messages or prompt_tokens")
     if messages is not None:
-        if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Seq):
-            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        out = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, Mapping):
-                raise ValueError(f"message {i} must be a dict with 'role' and 'content', "
-                                 f"got {type(m).__name__}")
-            role, content = m.get("role"), m.get("content")
-            if not isinstance(role, str) or not role:
-                raise ValueError(f"message {i} needs a 'role' (such as 'user'), got {role!r}")
-            if not isinstance(content, str):
-                raise ValueError(f"message {i}'s 'content' must be text, got "
-                                 f"{type(content).__name__}")
-            out.append(dict(m))
+        out = _checked_messages(messages)
         if not any(m["content"].strip() for m in out):
             raise ValueError("the conversation is empty: write a message first")
         return out, None
@@ -425,6 +417,25 @@ def _checked_prompt(messages, prompt_tokens) -> tuple[list[dict] | None, list[in
     if not tokens:
         raise ValueError("prompt_tokens is empty")
     return None, tokens
+
+
+def _checked_messages(messages) -> list[dict]:
+    """Copies of chat messages, each with a text role and text content, or a ValueError."""
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Seq):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', "
+                             f"got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"message {i} needs a 'role' (such as 'user'), got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"message {i}'s 'content' must be text, got "
+                             f"{type(content).__name__}")
+        out.append(dict(m))
+    return out
 
 
 def _checked_params(params) -> SamplingParams:
