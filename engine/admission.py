@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.config import SamplingParams
+from engine.chat_format import encode_chat
+from engine.config import SamplingParams, check_top_k
 from engine.handle import RequestHandle
 from engine.sampling import new_key
 from engine.sequence import Request, Sequence
@@ -16,12 +17,9 @@ from engine.sequence import Request, Sequence
 
 def apply_template(tokenizer: Any, messages: list[dict],
                    add_generation_prompt: bool = True) -> list[int]:
-    """The model's chat template when it has one, else a plain "role: content" layout."""
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt))
-    text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-    return list(tokenizer.encode(text + ("\nassistant:" if add_generation_prompt else "")))
+    """The model's chat template when it has one, else a plain "role: content" layout;
+    message text is always tokenized as text (engine/chat_format.py)."""
+    return encode_chat(tokenizer, messages, add_generation_prompt)
 
 
 def admit(
@@ -50,6 +48,10 @@ def admit(
     vocab = max(tokenizer.vocab_size, len(tokenizer))
     if any(t < 0 or t >= vocab for t in prompt):
         return request, "the prompt holds token ids outside the model's vocabulary"
+    try:
+        check_top_k(params, vocab)  # submit checks it too, once the model is loaded
+    except ValueError as e:
+        return request, str(e)
     for index in range(params.n):
         request.sequences.append(
             Sequence(

@@ -6,8 +6,12 @@ clear message instead of deep inside the engine thread.
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from dataclasses import dataclass, field
+
+from engine.memory import DEFAULT_BUDGET_MIB, check_kv_budget
 
 #: Token slots per KV block that the engine (and its attention kernels) support.
 BLOCK_SIZES = (8, 16, 32)
@@ -39,7 +43,9 @@ class EngineConfig:
 
     model: "default" (the embedded SmolLM2-135M-Instruct), a local mlx-lm folder, or a
         Hugging Face repo id.
-    kv_memory_mib: KV pool budget; the pool is allocated once from it and never grows.
+    kv_memory_mib: KV pool budget; the pool is allocated once from it and never grows. It
+        is checked against this machine's memory here (engine/memory.py), and again with
+        the model's weights once they are loaded, before the pool is allocated.
     block_size: token slots per block (8, 16 or 32).
     max_batch: most sequences decoded in one step.
     prefill_chunk: most prompt tokens processed in one step (a prompt alone gets this much).
@@ -53,7 +59,7 @@ class EngineConfig:
     """
 
     model: str = "default"
-    kv_memory_mib: float = 256.0
+    kv_memory_mib: float = DEFAULT_BUDGET_MIB
     block_size: int = 16
     max_batch: int = 16
     prefill_chunk: int = 256
@@ -68,8 +74,7 @@ class EngineConfig:
             raise ValueError(
                 f"block_size must be one of {BLOCK_SIZES}, got {self.block_size}"
             )
-        if not self.kv_memory_mib > 0:
-            raise ValueError(f"kv_memory_mib must be positive, got {self.kv_memory_mib}")
+        object.__setattr__(self, "kv_memory_mib", check_kv_budget(self.kv_memory_mib))
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         if self.prefill_chunk < self.block_size:
@@ -86,9 +91,21 @@ class EngineConfig:
             raise ValueError("model must name 'default', a folder or a Hugging Face repo id")
 
 
+#: mx.random.key takes an unsigned 64-bit seed.
+SEED_RANGE = (0, 2**64 - 1)
+MAX_SAMPLES = 8
+#: Far above any model's context, but a bound: an int this large is a typo, not a wish.
+MAX_NEW_TOKENS = 1 << 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples; temperature 0 means greedy."""
+    """How one request samples; temperature 0 means greedy.
+
+    Every field is checked here (``top_k`` against the model's vocabulary again at
+    submit): a value the sampler would choke on, or one that silently samples garbage
+    (NaN, inf), is refused with a message that names the field and its allowed range.
+    """
 
     temperature: float = 0.7
     top_p: float = 1.0
@@ -101,27 +118,69 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 <= self.min_p < 1.0:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 1 <= self.n <= 8:
-            raise ValueError(f"n must be between 1 and 8, got {self.n}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+        put = object.__setattr__
+        put(self, "temperature", _real("temperature", self.temperature, "a finite number >= 0",
+                                       lambda v: v >= 0.0))
+        put(self, "top_p", _real("top_p", self.top_p, "a number in (0, 1]",
+                                 lambda v: 0.0 < v <= 1.0))
+        put(self, "top_k", _integer("top_k", self.top_k, 0, None,
+                                    "an integer >= 0 (0 disables it)"))
+        put(self, "min_p", _real("min_p", self.min_p, "a number in [0, 1] (0 disables it)",
+                                 lambda v: 0.0 <= v <= 1.0))
+        put(self, "repetition_penalty", _real(
+            "repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 disables it)",
+            lambda v: v > 0.0))
+        put(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1, MAX_NEW_TOKENS))
+        if self.seed is not None:
+            put(self, "seed", _integer("seed", self.seed, *SEED_RANGE,
+                                       "None or an integer in [0, 2**64 - 1]"))
+        put(self, "n", _integer("n", self.n, 1, MAX_SAMPLES))
+        put(self, "stop", _stop_strings(self.stop))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _real(name: str, value: object, allowed: str, ok) -> float:
+    """``value`` as a finite float satisfying ``ok``, else a ValueError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or not ok(number):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return number
+
+
+def _integer(name: str, value: object, low: int, high: int | None,
+             allowed: str | None = None) -> int:
+    """``value`` as an int in [low, high], else a ValueError naming the field and range."""
+    if allowed is None:
+        allowed = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    number = int(value)
+    if number < low or (high is not None and number > high):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return number
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    """The stop strings as a tuple of non-empty strings (one string is one stop string)."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, list | tuple):
+        raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must be a list of non-empty strings, got {s!r} in it")
+    return tuple(stop)
+
+
+def check_top_k(params: SamplingParams, vocab_size: int) -> None:
+    """The part of SamplingParams that needs the model: ``top_k`` within its vocabulary."""
+    if params.top_k > vocab_size:
+        raise ValueError(
+            f"top_k must be an integer in [0, {vocab_size}] for this model "
+            f"(its vocabulary size), got {params.top_k}"
+        )

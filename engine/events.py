@@ -61,7 +61,12 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class FinalEvent:
-    """The last event of one sample; `text` is the whole reply of that sample."""
+    """The last event of one sample; `text` is the whole reply of that sample.
+
+    error: why it failed (finish_reason ``error`` only).
+    detail: why a normal stop happened where the reason alone does not say it, for the
+        user (e.g. ``length`` because the reply filled the KV pool, not max_tokens).
+    """
 
     request_id: str
     session_id: str
@@ -70,6 +75,7 @@ class FinalEvent:
     text: str
     usage: Usage
     error: str | None = None
+    detail: str | None = None
 
 
 Event = TokenEvent | FinalEvent

@@ -17,12 +17,15 @@ from engine.events import Event, FinalEvent
 
 class RequestHandle:
     def __init__(
-        self, request_id: str, session_id: str, n: int, cancel: Callable[[str], None]
+        self, request_id: str, session_id: str, n: int,
+        cancel: Callable[[RequestHandle], None],
+        on_done: Callable[[RequestHandle], None] | None = None,
     ) -> None:
         self.request_id = request_id
         self.session_id = session_id
         self.n = n
         self._cancel = cancel
+        self._on_done = on_done
         self._events: deque[Event] = deque()
         self._cond = threading.Condition()
         self._finals = 0
@@ -33,6 +36,9 @@ class RequestHandle:
     # ---- engine side ------------------------------------------------------------------------
 
     def _push(self, event: Event) -> None:
+        if isinstance(event, FinalEvent) and self._finals + 1 == self.n and self._on_done:
+            # Before ``done`` can read True: whoever sees the request ended may reuse its id.
+            self._on_done(self)
         with self._cond:
             self._events.append(event)
             if isinstance(event, FinalEvent):
@@ -58,8 +64,11 @@ class RequestHandle:
         return self._finals >= self.n
 
     def cancel(self) -> None:
-        """Stop generating; the engine frees this request's blocks before its next step."""
-        self._cancel(self.request_id)
+        """Stop generating; the engine frees this request's blocks before its next step.
+
+        Cancels this request only, never a later one that reuses its id."""
+        if not self.done:
+            self._cancel(self)
 
     def __iter__(self) -> Iterator[Event]:
         read_finals = 0

@@ -239,6 +239,26 @@ class _ShapeProbe:
         return keys, values
 
 
+def recurrent_caches(model: nn.Module) -> list[str]:
+    """Names of the cache types the model asks mlx-lm for that hold a recurrent state
+    rather than attention K/V (state-space layers: mamba, hybrids). The paged pool only
+    holds K/V, so a model with any is refused at load, by name, before it is run."""
+    make_cache = getattr(model, "make_cache", None)
+    if make_cache is None:
+        return []  # mlx-lm gives it plain KVCaches
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    return sorted({type(c).__name__ for c in make_cache()
+                   if isinstance(c, ArraysCache | CacheList)})
+
+
+def weights_nbytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters (for the memory check before the pool exists)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
 def probe_kv_shape(model: nn.Module) -> KVShape:
     """Run one token through the model to learn its per-layer K/V shape and dtype."""
     layers = model.layers

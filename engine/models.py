@@ -95,7 +95,7 @@ def default_quantized() -> bool:
 
 def load_folder(path: Path, name: str | None = None) -> LoadedModel:
     """Load an mlx-lm model folder, turning every expected failure into a ModelLoadError."""
-    import mlx_lm
+    from mlx_lm.utils import load_model as load_weights
 
     config = _read_folder_config(path)
     model_type = config.get("model_type")
@@ -106,7 +106,9 @@ def load_folder(path: Path, name: str | None = None) -> LoadedModel:
         raise ModelLoadError(f"The model folder {path} has no weights (model*.safetensors). "
                              "Convert the model with mlx_lm.convert, or download it again.")
     try:
-        model, tokenizer = mlx_lm.load(str(path))
+        # The weights and the tokenizer are loaded apart (mlx_lm.load does both) so that a
+        # failure names the part that is wrong.
+        model, config = load_weights(path)
     except ValueError as e:
         if "not supported" in str(e):
             raise ModelLoadError(
@@ -118,6 +120,7 @@ def load_folder(path: Path, name: str | None = None) -> LoadedModel:
     except Exception as e:  # anything else is still a bad folder, not a crash
         raise ModelLoadError(f"Could not load the model in {path}: {type(e).__name__}: {e}. "
                              "Check that it is a complete mlx-lm folder.") from e
+    tokenizer = _load_tokenizer(path, config)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -127,6 +130,28 @@ def load_folder(path: Path, name: str | None = None) -> LoadedModel:
         max_context=context_limit(config),
         dtype=compute_dtype(model),
     )
+
+
+#: Files one of which holds a tokenizer mlx-lm (transformers) can load without converting.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+TOKENIZER_FIX = ("copy the tokenizer files (tokenizer.json and tokenizer_config.json) of the "
+                 "original model into it, or convert the model again with mlx_lm.convert, "
+                 "which saves them")
+
+
+def _load_tokenizer(path: Path, config: dict) -> Any:
+    """The folder's tokenizer, or a ModelLoadError that says the tokenizer is the problem."""
+    from mlx_lm.utils import load_tokenizer
+
+    if not any((path / f).is_file() for f in TOKENIZER_FILES) and not any(
+            path.glob("*.tiktoken")):
+        raise ModelLoadError(f"The model folder {path} has no tokenizer (no tokenizer.json or "
+                             f"tokenizer.model): {TOKENIZER_FIX}.")
+    try:
+        return load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:
+        raise ModelLoadError(f"The tokenizer in {path} could not be loaded "
+                             f"({type(e).__name__}: {_first_line(e)}): {TOKENIZER_FIX}.") from e
 
 
 def download_repo(repo_id: str) -> Path:

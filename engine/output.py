@@ -55,7 +55,22 @@ class Output:
         hold = max((len(s) - 1 for s in params.stop), default=0)
         self._emit(seq, text[: len(text) - hold] if hold else text, [token])
 
-    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+    def end_at_pool_limit(self, seq: Sequence, capacity_tokens: int) -> None:
+        """End a reply that outgrew the whole KV pool: ``length``, with all its text (what
+        a stop string held back included) and a detail saying why."""
+        if seq.finished:
+            return
+        seq.detokenizer.finalize()
+        text = seq.detokenizer.text
+        if len(text) > seq.emitted_chars:
+            self._emit(seq, text, [])
+        seq.text = text
+        self.finish(seq, FinishReason.LENGTH, detail=(
+            f"the reply filled the KV pool ({capacity_tokens} tokens with the prompt): raise "
+            "the KV memory budget for longer replies"))
+
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
+               detail: str | None = None) -> None:
         """End one sequence (no-op if it has ended): free its blocks, send its final event."""
         if seq.finished:
             return
@@ -65,7 +80,7 @@ class Output:
         request = seq.request
         request.handle._push(FinalEvent(
             request.request_id, seq.session_id, seq.index, reason, seq.text,
-            usage(request, seq.num_generated, seq), error,
+            usage(request, seq.num_generated, seq), error, detail,
         ))
         if seq.index == 0 and not request.forked:
             for sibling in request.sequences[1:]:  # they would have forked from this one

@@ -85,8 +85,12 @@ class StepRunner:
             self._read(self._take_inflight())
         t_schedule = time.perf_counter()
         plan = self.scheduler.schedule(self.prefill.budget(self.scheduler.decoding))
-        for seq, message in plan.failed:
-            self.output.finish(seq, FinishReason.ERROR, message)
+        for seq, message in plan.failed:  # it needs more KV than the whole pool holds
+            if seq.num_generated:
+                # A reply stopped by the pool's size is a normal stop: it keeps its text.
+                self.output.end_at_pool_limit(seq, self.scheduler.capacity_tokens)
+            else:
+                self.output.finish(seq, FinishReason.ERROR, message)
         launched = None
         if plan.works:
             self.pool.copy_blocks(plan.copies)
