@@ -85,7 +85,11 @@ class StepRunner:
             self._read(self._take_inflight())
         t_schedule = time.perf_counter()
         plan = self.scheduler.schedule(self.prefill.budget(self.scheduler.decoding))
+        if self._inflight is not None and any(seq.inflight for seq, _ in plan.failed):
+            self._read(self._take_inflight())  # their last token is in flight: keep it
         for seq, message in plan.failed:  # it needs more KV than the whole pool holds
+            if seq.finished:
+                continue
             if seq.num_generated:
                 # A reply stopped by the pool's size is a normal stop: it keeps its text.
                 self.output.end_at_pool_limit(seq, self.scheduler.capacity_tokens)
