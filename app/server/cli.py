@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the HTTP loop gets the GIL back quickly
     engine = Engine(config)
+    # SIGTERM acts like Ctrl+C throughout: uvicorn re-raises the signal it caught once it
+    # has shut down, and this way that ends in the KeyboardInterrupt below (engine stopped,
+    # exit 0) instead of killing the process before the engine thread is stopped.
     previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         _say(f"Loading {args.model} ...")
@@ -107,7 +110,6 @@ def main(argv: list[str] | None = None) -> int:
         if not engine.wait_ready():
             _say(f"pagedchat serve: the model did not load: {engine.load_error}", err=True)
             return 1
-        signal.signal(signal.SIGTERM, previous_term)
         app = create_app(engine, ServerOptions(
             api_key=key, max_request_bytes=args.max_request_bytes,
             max_concurrent=args.max_concurrent, model_aliases=("default", args.model)))
@@ -119,10 +121,11 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"API key: from {where.get(source, source)}; press Ctrl+C to stop")
 
         serve_forever(app, sock, started, log_level=args.log_level)
-    except KeyboardInterrupt:  # Ctrl+C while the model was loading
+    except KeyboardInterrupt:  # Ctrl+C / SIGTERM: while loading, or re-raised by uvicorn
         pass
     finally:
         sock.close()
         engine.stop()
+        signal.signal(signal.SIGTERM, previous_term)
     _say("PagedChat API server stopped")
     return 0
