@@ -39,6 +39,7 @@ from app.chat.input_box import InputBox
 from app.chat.pane import ChatPane
 from app.chat.session import ChatSession, SessionManager
 from app.records import ChatSettings
+from app.server_panel import ServerPanel
 from app.settings_dialog import SettingsDialog
 from app.sidebar import Sidebar
 from app.theme import theme_manager
@@ -174,6 +175,8 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self._build_toolbar()
         self._wire()
+        self.server_panel = ServerPanel(self, store, bridge)
+        self.server_panel.install()
         self.restore_layout()
         self._on_status(bridge.status)
 
@@ -800,6 +803,7 @@ class MainWindow(QMainWindow):
     def shutdown_chats(self) -> None:
         """Cancel every reply, keeping partial text marked interrupted; save the layout."""
         self.save_layout()
+        self.server_panel.shutdown()
         self.manager.interrupt_all()
         self._closed = True
 
