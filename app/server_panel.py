@@ -118,6 +118,7 @@ class ServerPanel(QObject):
         self.error = ""
         self._key: str | None = None
         self._busy = False
+        self._stopping: ServerThread | None = None
 
         self.toggle = QAction("Run &API Server", window, checkable=True)
         self.toggle.setToolTip("Serve the OpenAI API on 127.0.0.1 from this app's engine")
@@ -149,7 +150,8 @@ class ServerPanel(QObject):
 
     @property
     def running(self) -> bool:
-        return self.server is not None and self.server.running
+        """Whether a server thread still runs (also while one is stopping)."""
+        return any(s is not None and s.running for s in (self.server, self._stopping))
 
     # ---- start / stop (in a worker thread) ------------------------------------------------
 
@@ -161,7 +163,7 @@ class ServerPanel(QObject):
 
     def start(self, previous: ServerThread | None = None) -> None:
         """Start in a worker thread (after stopping ``previous``, for a port change)."""
-        if self._busy or self.running:
+        if self._busy or (self.server is not None and self.server.running):
             return
         try:
             self._key, _ = resolve_key()
@@ -187,15 +189,19 @@ class ServerPanel(QObject):
 
         threading.Thread(target=run, name="pagedchat-api-start", daemon=True).start()
 
-    def stop(self, wait: bool = False) -> None:
+    def stop(self) -> None:
+        """Stop in a worker thread: open streams end with a final chunk first."""
         server, self.server = self.server, None
         if server is None:
             return
-        thread = threading.Thread(target=lambda: (server.stop(), self.stateChanged.emit(False, "")),
-                                  name="pagedchat-api-stop", daemon=True)
-        thread.start()
-        if wait:
-            thread.join()
+        self._stopping = server
+
+        def run() -> None:
+            server.stop()
+            self._stopping = None
+            self.stateChanged.emit(False, "")
+
+        threading.Thread(target=run, name="pagedchat-api-stop", daemon=True).start()
 
     def shutdown(self) -> None:
         """On quit: end every API stream with a final chunk, then stop the server."""
