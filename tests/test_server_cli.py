@@ -170,3 +170,26 @@ def test_no_keychain_and_no_key_is_a_clear_error() -> None:
 )
 def test_bearer_check(header, ok) -> None:
     assert keys.bearer_matches(header, KEY) is ok
+
+
+def test_the_bundle_spec_keeps_the_server_stack() -> None:
+    """uvicorn and anyio load these by name; a bundle without them fails at Run API Server."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = Path(__file__).parent.parent / "packaging" / "pagedchat.spec"
+    tree = ast.parse(spec.read_text(encoding="utf-8"))
+    values = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name)}
+    excludes = ast.literal_eval(values["EXCLUDES"])
+    for package in ("uvicorn", "starlette", "sse_starlette", "anyio", "h11"):
+        assert package not in excludes
+    modules = ast.literal_eval(values["SERVER_MODULES"])
+    for name in modules:
+        assert importlib.util.find_spec(name) is not None, name
+    import uvicorn.config
+
+    chosen = uvicorn.config.Config(app=None, lifespan="off", ws="none")
+    assert chosen.http == "auto" and chosen.loop == "auto"
+    assert {"uvicorn.protocols.http.h11_impl", "uvicorn.loops.asyncio"} <= set(modules)
