@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import urllib.error
 import urllib.request
 
@@ -402,3 +403,29 @@ def test_by_default_nothing_listens_beyond_loopback(server) -> None:
             pass
     with socket.create_connection(("127.0.0.1", server.port), 5):
         pass
+
+
+def test_stopping_the_server_ends_an_open_stream_with_a_final_chunk(engine) -> None:
+    """The in-app stop (and the app quitting): the stream ends cleanly, then the port closes."""
+    thread = ServerThread(create_app(engine, ServerOptions(api_key=KEY)))
+    thread.start()
+    client = openai.OpenAI(base_url=thread.url, api_key=KEY, timeout=TIMEOUT_S, max_retries=0)
+    stopper = None
+    try:
+        stream = client.chat.completions.create(
+            model=model_id(engine), messages=user("Write a very long story about a comet."),
+            temperature=0, max_tokens=2000, stream=True, user="stopped")
+        finishes = []
+        for chunk in stream:
+            finishes.extend(c.finish_reason for c in chunk.choices)
+            if len(finishes) == 3:
+                stopper = threading.Thread(target=thread.stop)
+                stopper.start()
+        assert finishes[-1] == "cancelled" and not any(finishes[:-1])
+        stopper.join(60)
+        assert not thread.running
+        with pytest.raises(openai.APIConnectionError):
+            client.models.list()
+        wait_until(lambda: session_blocks(engine, "API · stopped") == 0, timeout=30)
+    finally:
+        thread.stop()

@@ -21,7 +21,6 @@ from app.server.routes import (
 from app.server.runner import LOOPBACK, BindError, bind, is_loopback, serve_forever, url_of
 
 DEFAULT_PORT = 8080
-GIL_SWITCH_INTERVAL_S = 0.001
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"pagedchat serve: {exc}", err=True)
         return 1
 
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the HTTP loop gets the GIL back quickly
     engine = Engine(config)
     # SIGTERM acts like Ctrl+C throughout: uvicorn re-raises the signal it caught once it
     # has shut down, and this way that ends in the KeyboardInterrupt below (engine stopped,
