@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedchat",
         description="Several local-LLM chats side by side, streaming from one paged KV pool.",
+        epilog="`pagedchat serve --help`: the OpenAI-compatible API server, without a window.",
     )
     p.add_argument(
         "--model",
@@ -77,6 +78,11 @@ def share_the_gil() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # headless: the API server only, no Qt imported on this path
+        from app.server.cli import main as serve_main
+
+        return serve_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.self_test:

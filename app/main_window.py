@@ -35,6 +35,7 @@ from app.core.app_settings import AppSettings
 from app.monitor import create_monitor_dock
 from app.pane_deck import MAX_PANES, PaneDeck
 from app.qt_util import from_b64, to_b64
+from app.server_panel import ServerPanel
 from app.settings_dialog import SettingsDialog
 from app.sidebar import Sidebar
 from app.theme import theme_manager
@@ -73,6 +74,8 @@ class MainWindow(QMainWindow):
         self.model_button.clicked.connect(self.open_settings)
         self.toolbar = build_toolbar(self, self.actions_by_key, self.model_button)
         self._wire()
+        self.server_panel = ServerPanel(self, store, bridge)
+        self.server_panel.install()
         self.restore_layout()
         self._on_status(bridge.status)
 
@@ -386,6 +389,7 @@ class MainWindow(QMainWindow):
     def shutdown_chats(self) -> None:
         """Cancel every reply, keeping partial text marked interrupted; save the layout."""
         self.save_layout()
+        self.server_panel.shutdown()
         self.manager.interrupt_all()
         self._closed = True
 

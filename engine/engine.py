@@ -164,6 +164,12 @@ class Engine:
             raise RuntimeError("the model is not loaded yet")
         return apply_template(self._loaded.tokenizer, list(messages), add_generation_prompt)
 
+    def encode(self, text: str) -> list[int]:
+        """The token ids of plain ``text``, no chat template (a raw completion prompt)."""
+        if self._loaded is None:
+            raise RuntimeError("the model is not loaded yet")
+        return list(self._loaded.tokenizer.encode(text))
+
     def decode(self, token_ids: Seq[int]) -> str:
         if self._loaded is None:
             return ""
