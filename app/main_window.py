@@ -38,6 +38,7 @@ from app.app_settings import AppSettings
 from app.chat.input_box import InputBox
 from app.chat.pane import ChatPane
 from app.chat.session import ChatSession, SessionManager
+from app.confirm import confirm_destructive
 from app.records import ChatSettings
 from app.settings_dialog import SettingsDialog
 from app.sidebar import Sidebar
@@ -593,16 +594,12 @@ class MainWindow(QMainWindow):
         conv = self.store.get_conversation(conversation_id)
         if conv is None:
             return False
-        if confirm:
-            answer = QMessageBox.question(
-                self,
-                "Delete Chat",
-                f"Delete “{conv.title}” and all its messages? This cannot be undone.",
-                QMessageBox.StandardButton.Delete | QMessageBox.StandardButton.Cancel,
-                QMessageBox.StandardButton.Cancel,
-            )
-            if answer != QMessageBox.StandardButton.Delete:
-                return False
+        if confirm and not confirm_destructive(
+            self,
+            "Delete Chat",
+            f"Delete “{conv.title}” and all its messages? This cannot be undone.",
+        ):
+            return False
         pane = self.pane_for(conversation_id)
         self.manager.delete(conversation_id)
         if pane is not None:

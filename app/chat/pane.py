@@ -80,7 +80,7 @@ class ChatPane(QFrame):
         self._build()
         self.set_session(session)
         bridge.snapshotUpdated.connect(self._on_snapshot)
-        bridge.statusChanged.connect(lambda _s: self._update_footer())
+        bridge.statusChanged.connect(self._update_footer)
 
     # ---- construction --------------------------------------------------------------------
 
@@ -234,7 +234,10 @@ class ChatPane(QFrame):
             self._disconnect_session(self.session)
         if self.model is not None:
             self.model.detach()
-        for sig, slot in ((self.bridge.snapshotUpdated, self._on_snapshot),):
+        for sig, slot in (
+            (self.bridge.snapshotUpdated, self._on_snapshot),
+            (self.bridge.statusChanged, self._update_footer),
+        ):
             disconnect(sig, slot)
 
     def set_number(self, n: int) -> None:
