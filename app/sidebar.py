@@ -77,6 +77,8 @@ class ConversationListModel(QAbstractListModel):
     def reload(self) -> None:
         self.beginResetModel()
         self._items = self.store.list_conversations()
+        for c in self._items:  # the stored colour, also for chats not opened this run
+            colors.register(c.id, c.color_index)
         self.endResetModel()
 
     def set_busy(self, conversation_id: str, busy: bool) -> None:

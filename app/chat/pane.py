@@ -212,6 +212,7 @@ class ChatPane(QFrame):
         session.pathChanged.connect(self._update_empty)
         session.settingsChanged.connect(self._update_title)
         self.header.accent = colors.accent_color(session.id)
+        self.header.update()  # the dot and the accent bar are painted, not styled
         self._update_title()
         self._update_busy()
         self._update_empty()
