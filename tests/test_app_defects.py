@@ -214,3 +214,46 @@ def test_a_reused_pane_takes_the_new_chats_colour(window, qtbot):
     assert _same(_screen_pixel(pane.header, _header_dot(pane)), want)
     # and the monitor's lookup agrees (one place)
     assert colors.color_index(second) == window.store.get_conversation(second).color_index
+
+
+# ---- 3. row heights follow the width ---------------------------------------------------------
+
+LONG_TEXT = (
+    "This is a fairly long message that has to wrap over several lines when the pane is "
+    "narrow, so that its height depends on the width of the message list. " * 3
+)
+
+
+def _rows_consistent(view):
+    """Every row's rectangle is as tall as what the delegate paints in it, and none overlap."""
+    model = view.model()
+    rects = [view.visualRect(model.index(r, 0)) for r in range(model.rowCount())]
+    for r, rect in enumerate(rects):
+        geo = view.row_geometry(r)
+        painted = [geo.body, *geo.actions.values()] + (
+            [geo.bubble] if not geo.bubble.isNull() else []
+        )
+        if max(x.bottom() for x in painted) > rect.bottom():
+            return False
+    return all(a.bottom() < b.top() for a, b in zip(rects, rects[1:], strict=False))
+
+
+def test_message_rows_follow_a_width_change(window, qtbot):
+    pane = window.focused_pane
+    for i in range(3):
+        assert pane.send(f"{i}: {LONG_TEXT}")
+    view = pane.view
+    qtbot.waitUntil(lambda: _rows_consistent(view))
+    heights = [
+        view.visualRect(view.model().index(r, 0)).height() for r in range(view.model().rowCount())
+    ]
+    window.resize(window.width() - 500, window.height())  # narrower: the text wraps more
+    qtbot.waitUntil(lambda: view.viewport().width() < 600)
+    qtbot.waitUntil(lambda: _rows_consistent(view))
+    taller = [
+        view.visualRect(view.model().index(r, 0)).height() for r in range(view.model().rowCount())
+    ]
+    assert taller[0] > heights[0]  # the rows really did grow with the narrower width
+    window.resize(window.width() + 500, window.height())
+    qtbot.waitUntil(lambda: view.viewport().width() > 600)
+    qtbot.waitUntil(lambda: _rows_consistent(view))

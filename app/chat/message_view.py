@@ -257,5 +257,9 @@ class MessageListView(QListView):
 
     def resizeEvent(self, event) -> None:  # noqa: ANN001
         super().resizeEvent(event)
+        if event.size().width() != event.oldSize().width():
+            # QListView (top-to-bottom flow) only relays items out when the height changes;
+            # row heights here follow the width (wrapped text), so relay them out now.
+            self.scheduleDelayedItemsLayout()
         if self._stick:
             self.scrollToBottom()
