@@ -39,6 +39,7 @@ from app.chat.input_box import InputBox
 from app.chat.pane import ChatPane
 from app.chat.session import ChatSession, SessionManager
 from app.confirm import confirm_destructive
+from app.dock_fit import DockFitter
 from app.records import ChatSettings
 from app.settings_dialog import SettingsDialog
 from app.sidebar import Sidebar
@@ -176,6 +177,7 @@ class MainWindow(QMainWindow):
         self._build_toolbar()
         self._wire()
         self.restore_layout()
+        self.dock_fitter = DockFitter(self, self.monitor_dock)
         self._on_status(bridge.status)
 
     # ---- construction --------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import QEvent, QObject, Qt
 from PySide6.QtGui import QColor, QContextMenuEvent
-from PySide6.QtWidgets import QApplication, QMessageBox
+from PySide6.QtWidgets import QApplication, QMessageBox, QToolButton
 
 from app.engine_bridge import EngineBridge
 from app.main_window import MainWindow
@@ -257,3 +257,104 @@ def test_message_rows_follow_a_width_change(window, qtbot):
     window.resize(window.width() + 500, window.height())
     qtbot.waitUntil(lambda: view.viewport().width() > 600)
     qtbot.waitUntil(lambda: _rows_consistent(view))
+
+
+# ---- 2. the window never widens itself; 4. small windows --------------------------------------
+
+
+def _open_four_panes(qtbot, window):
+    for _ in range(3):
+        qtbot.keyClick(
+            window,
+            Qt.Key.Key_N,
+            Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier,
+        )
+    assert len(window.panes) == 4
+
+
+def test_four_panes_and_the_monitor_fit_in_1280_px(window, qtbot):
+    window.resize(1280, 800)
+    qtbot.waitUntil(lambda: window.width() == 1280)
+    _open_four_panes(qtbot, window)
+    qtbot.waitUntil(lambda: window.monitor_dock.isVisible())
+    # opening panes did not widen the window, and everything is still on it
+    assert window.width() == 1280 and window.minimumSizeHint().width() <= 1280
+    assert window.monitor_dock.isVisible() and window.sidebar.isVisible()
+    right = window.monitor_dock.geometry().right()
+    assert right <= window.width()
+    for p in window.panes:
+        assert p.isVisible() and p.width() >= 140, p.width()
+    # long footer text (what a streaming chat shows) does not push the pane or the window
+    widths = [p.width() for p in window.panes]
+    window.panes[0].footer.setText(
+        "999.9 tok/s   ·   8,191 / 8,192 tokens   ·   512 blocks · 99 shared" * 2
+    )
+    QApplication.processEvents()
+    assert window.panes[0].minimumSizeHint().width() < 200
+    assert [p.width() for p in window.panes] == widths and window.width() == 1280
+
+
+def _toolbar_reachable(window):
+    """Every toolbar action is on a visible button inside the bar, or the bar shows its
+    overflow (») button that pops up the rest."""
+    tb = window.toolbar
+    ext = tb.findChild(QToolButton, "qt_toolbar_ext_button")
+    hidden = []
+    for a in tb.actions():
+        if a.isSeparator() or a.text() == "":
+            continue
+        w = tb.widgetForAction(a)
+        if w is None or not w.isVisible() or w.geometry().right() > tb.width():
+            hidden.append(a.text())
+    return hidden, ext
+
+
+def test_an_800x600_window_keeps_the_chat_usable(window, qtbot):
+    window.resize(1380, 860)
+    qtbot.waitUntil(lambda: window.width() == 1380 and window.monitor_dock.isVisible())
+    window.resize(800, 600)
+    qtbot.waitUntil(lambda: window.width() == 800)
+    pane = window.panes[0]
+    # the monitor yields (and says how to get it back), the pane is wide enough to read
+    qtbot.waitUntil(lambda: not window.monitor_dock.isVisible())
+    assert "Monitor" in window.statusBar().currentMessage()
+    qtbot.waitUntil(lambda: pane.width() >= 400)
+    # the toolbar does not drop buttons off its end: the rest is in its overflow button
+    hidden, ext = _toolbar_reachable(window)
+    if hidden:
+        assert ext is not None and ext.isVisible(), hidden
+    # the way back: the Monitor action shows it at this size, and it does not take over
+    window.act_monitor.trigger()
+    qtbot.waitUntil(lambda: window.monitor_dock.isVisible())
+    qtbot.waitUntil(lambda: window.monitor_dock.width() <= 800 * 0.4)
+    assert pane.width() >= 250
+    counters = window.monitor_dock.widget().counters
+    qtbot.waitUntil(lambda: counters.columns == 1 or counters.width() >= counters._width_for(2))
+    for v in counters.values.values():  # no value clipped at the dock's edge
+        if v.isVisible():
+            assert v.mapTo(counters, v.rect().bottomRight()).x() <= counters.width()
+    window.act_monitor.trigger()  # hidden by the user now
+    qtbot.waitUntil(lambda: not window.monitor_dock.isVisible())
+    # widened again: a monitor the window hid comes back by itself, one the user hid does not
+    window.resize(1380, 860)
+    qtbot.waitUntil(lambda: window.width() == 1380)
+    QApplication.processEvents()
+    assert not window.monitor_dock.isVisible()
+    window.resize(800, 600)
+    qtbot.waitUntil(lambda: window.width() == 800)
+    window.act_monitor.trigger()
+    qtbot.waitUntil(lambda: window.monitor_dock.isVisible())
+    window.resize(700, 600)  # shrinking further does not fight the user's choice
+    qtbot.waitUntil(lambda: window.width() == 700)
+    QApplication.processEvents()
+    assert window.monitor_dock.isVisible()
+
+
+def test_the_monitor_comes_back_when_the_window_widens(window, qtbot):
+    window.resize(1380, 860)
+    qtbot.waitUntil(lambda: window.width() == 1380 and window.monitor_dock.isVisible())
+    window.resize(800, 600)
+    qtbot.waitUntil(lambda: not window.monitor_dock.isVisible())
+    window.resize(1380, 860)
+    qtbot.waitUntil(lambda: window.monitor_dock.isVisible())
+    assert window.monitor_dock.width() <= 1380 * 0.4

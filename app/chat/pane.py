@@ -29,6 +29,7 @@ from app.chat.input_box import InputBox
 from app.chat.message_model import ChatMessageModel
 from app.chat.message_view import MessageListView
 from app.chat.session import ChatSession
+from app.elided_label import ElidedLabel
 from app.qt_util import disconnect
 from app.records import Status
 
@@ -166,10 +167,9 @@ class ChatPane(QFrame):
         wl.addWidget(composer)
         layout.addWidget(wrap)
 
-        self.footer = QLabel()
+        self.footer = ElidedLabel()
         self.footer.setObjectName("paneFooter")
         self.footer.setAccessibleName("Chat statistics")
-        self.footer.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         layout.addWidget(self.footer)
 
         for w in (self.input, self.view, self.send_button, self.settings_button, self.close_button):
@@ -453,6 +453,6 @@ class ChatPane(QFrame):
         if text != self.footer.text():
             self.footer.setText(text)
             self.footer.setToolTip(
-                "Decode speed · context used / context limit · KV blocks held by this chat "
-                "(shared: also held by another sequence)"
+                f"{text}\n\nDecode speed · context used / context limit · KV blocks held by "
+                "this chat (shared: also held by another sequence)"
             )
