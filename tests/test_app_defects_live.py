@@ -43,9 +43,11 @@ def test_deleting_a_chat_while_it_streams(harness, qtbot):
     _type_and_send(qtbot, doomed, LONG_PROMPT)
     qtbot.waitUntil(lambda: len(last_reply(doomed).content) > 10, timeout=WAIT_MS)
     qtbot.waitUntil(
-        lambda: bridge.latest_snapshot is not None
-        and sid in bridge.latest_snapshot.sessions
-        and bridge.latest_snapshot.sessions[sid].blocks_held > 0,
+        lambda: (
+            bridge.latest_snapshot is not None
+            and sid in bridge.latest_snapshot.sessions
+            and bridge.latest_snapshot.sessions[sid].blocks_held > 0
+        ),
         timeout=WAIT_MS,
     )
     assert doomed.session.busy and bridge.active_requests(sid)
@@ -72,3 +74,36 @@ def test_deleting_a_chat_while_it_streams(harness, qtbot):
     assert harness.store.get_conversation(sid) is None
     assert sid not in w.sidebar.visible_ids()
     assert kept_reply.status in (Status.COMPLETE, Status.LENGTH)
+
+
+def test_streaming_in_four_panes_never_changes_a_width(harness, qtbot):
+    w = harness.window
+    w.resize(1280, 800)
+    qtbot.waitUntil(lambda: w.width() == 1280)
+    for _ in range(3):
+        qtbot.keyClick(
+            w, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier
+        )
+    for p in w.panes:
+        p.session.set_settings(greedy(48))
+    qtbot.waitUntil(lambda: w.monitor_dock.isVisible())
+    before = (w.width(), [p.width() for p in w.panes], w.monitor_dock.width())
+    assert before[0] == 1280
+    seen = []
+    harness.bridge.snapshotUpdated.connect(
+        lambda _s: seen.append((w.width(), [p.width() for p in w.panes], w.monitor_dock.width()))
+    )
+    qtbot.keyClick(
+        w,
+        Qt.Key.Key_Return,
+        Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier,
+    )
+    assert w.compare_bar.isVisible()
+    w.compare_bar.input.setPlainText("List ten animals, with one sentence about each.")
+    qtbot.keyClick(w.compare_bar.input, Qt.Key.Key_Return)
+    assert all(p.session.busy for p in w.panes)
+    wait_idle(qtbot, *w.panes)
+    assert all(last_reply(p).content for p in w.panes)
+    assert len(seen) > 3  # sampled while the replies streamed
+    assert all(s == before for s in seen), [s for s in seen if s != before][:3]
+    assert (w.width(), [p.width() for p in w.panes], w.monitor_dock.width()) == before
