@@ -15,7 +15,8 @@ from typing import Any
 
 from PySide6.QtWidgets import QApplication
 
-from app.records import ChatSettings, SamplingSettings
+from app.core.records import ChatSettings
+from engine import SamplingParams
 
 DEMO_MAX_TOKENS = 48
 DEMO_TIMEOUT_S = 900.0
@@ -54,7 +55,7 @@ def open_demo_panes(window: Any, max_tokens: int = DEMO_MAX_TOKENS) -> list[Any]
     for i, (title, system, _prompt) in enumerate(DEMO_CHATS):
         settings = ChatSettings(
             system_prompt=system,
-            sampling=SamplingSettings(temperature=0.0, max_tokens=max_tokens),
+            sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
         )
         session = window.manager.create(title, settings)
         first = i == 0 and len(window.panes) == 1 and not window.panes[0].session.active_path()

@@ -141,11 +141,11 @@ def open_window(engine: object) -> None:
     import qasync
     from PySide6.QtWidgets import QApplication
 
-    from app.app_settings import AppSettings
+    from app.core.app_settings import AppSettings
+    from app.core.store import Store
     from app.engine_bridge import EngineBridge
     from app.main_window import MainWindow
     from app.resources import app_icon
-    from app.store import Store
     from app.theme import theme_manager
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
@@ -214,9 +214,9 @@ def run_self_test() -> SelfTestResult:
 def main() -> int:
     """Entry for ``pagedchat --self-test``: print the one-line result, return the exit code."""
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    from app.main import _quiet_offscreen_warnings
+    from app.display import quiet_offscreen_warnings
 
-    _quiet_offscreen_warnings()
+    quiet_offscreen_warnings()
     result = run_self_test()
     print(result.line(), flush=True)
     return 0 if result.ok else 1

@@ -11,9 +11,9 @@ from PySide6.QtCore import QEvent, QObject, Qt
 from PySide6.QtGui import QColor, QContextMenuEvent
 from PySide6.QtWidgets import QApplication, QMessageBox, QToolButton
 
+from app.core.store import Store
 from app.engine_bridge import EngineBridge
 from app.main_window import MainWindow
-from app.store import Store
 from tests.gui_helpers import click_button, trigger_menu_item, when_modal, when_popup_menu
 
 

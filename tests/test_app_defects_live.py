@@ -6,7 +6,7 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
-from app.records import Status
+from app.core.records import Status
 from tests.app_helpers import WAIT_MS, greedy, last_reply, open_window, wait_idle
 from tests.gui_helpers import click_button, when_modal
 

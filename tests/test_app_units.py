@@ -8,10 +8,12 @@ import sys
 import pytest
 
 from app.chat.markdown import StreamingRenderer, render_markdown, stable_split
-from app.chat.tree import MessageTree
+from app.core.records import ChatSettings, Message, Status
+from app.core.store import Store
+from app.core.tree import MessageTree
 from app.display import no_display_problem
-from app.records import ChatSettings, Message, SamplingSettings, Status
-from app.store import Store
+from app.theme import MARKDOWN_LIGHT
+from engine import SamplingParams
 
 
 def _msg(conv: str, mid: str, parent: str | None, role: str = "user", text: str = "x") -> Message:
@@ -21,7 +23,7 @@ def _msg(conv: str, mid: str, parent: str | None, role: str = "user", text: str 
 def test_store_round_trip_and_wal(tmp_path):
     store = Store(tmp_path)
     conv = store.create_conversation(
-        "Hello", ChatSettings("be brief", SamplingSettings(temperature=0.2))
+        "Hello", ChatSettings("be brief", SamplingParams(temperature=0.2))
     )
     store.add_message(_msg(conv.id, "a", None, "user", "hi there"))
     store.add_message(_msg(conv.id, "b", "a", "assistant", "hello"))
@@ -79,26 +81,26 @@ def test_tree_alternatives_remember_their_branch():
 
 
 def test_markdown_code_blocks_and_half_written_text():
-    r = render_markdown("Use this:\n\n```python\nprint('hi')\n```\n\nand `x`.")
+    r = render_markdown("Use this:\n\n```python\nprint('hi')\n```\n\nand `x`.", MARKDOWN_LIGHT)
     assert r.code_blocks == ("print('hi')",)
     assert 'href="copy:0"' in r.html and "<code" in r.html
     # an unclosed fence still renders its code, and the copy text is what was written so far
-    half = render_markdown("```py\ndef f(:\n    return [")
+    half = render_markdown("```py\ndef f(:\n    return [", MARKDOWN_LIGHT)
     assert half.code_blocks == ("def f(:\n    return [",)
     # odd half-written constructs never raise and keep the text
     for text in ("**bold", "| a | b\n|--", "[link](http://", "1. one\n2.", "```", "> quote\n>"):
-        out = render_markdown(text)
+        out = render_markdown(text, MARKDOWN_LIGHT)
         assert out.html
 
 
 def test_streaming_renderer_reparses_only_the_tail():
-    s = StreamingRenderer()
+    s = StreamingRenderer(MARKDOWN_LIGHT)
     text = "First paragraph.\n\n```\ncode\n\nstill code\n```\n\nTail"
     cut = stable_split(text)
     assert text[cut:] == "Tail"  # the blank line inside the fence is not a cut point
     r = s.render(text)
     assert r.code_blocks == ("code\n\nstill code",)
-    full = render_markdown(text)
+    full = render_markdown(text, MARKDOWN_LIGHT)
     assert r.code_blocks == full.code_blocks
 
 
@@ -165,7 +167,7 @@ def test_throttle_caps_render_rate(qapp, qtbot):
     [("default", "default"), ("/no/such/dir", "folder"), ("mlx-community/Qwen3-0.6B-4bit", "hf")],
 )
 def test_model_spec_parsing(spec, kind):
-    from app.app_settings import AppSettings
+    from app.core.app_settings import AppSettings
 
     s = AppSettings()
     s.set_model_spec(spec)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from app.records import ChatSettings, Conversation, Message, Status, new_id
+from app.core.records import ChatSettings, Conversation, Message, Status, new_id
 
 DB_NAME = "pagedchat.sqlite3"
 SCHEMA_VERSION = 1
