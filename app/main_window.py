@@ -483,7 +483,7 @@ class MainWindow(QMainWindow):
         if new_pane and len(self.panes) >= MAX_PANES:
             self.statusBar().showMessage(f"At most {MAX_PANES} panes side by side.", 5000)
             return None
-        session = self.manager.create()
+        session = self.manager.create()  # an empty one it replaces is dropped (open_chat)
         return self.open_chat(session.id, new_pane=new_pane)
 
     def close_pane(self, pane: ChatPane) -> None:
@@ -511,12 +511,11 @@ class MainWindow(QMainWindow):
             self.panes[i].focus_input()
 
     def _pane_focused(self, pane: ChatPane) -> None:
-        if pane is self.focused_pane:
-            return
-        self.focused_pane = pane
-        for p in self.panes:
-            p.set_focused(p is pane)
-        if pane.session is not None:
+        if pane is not self.focused_pane:
+            self.focused_pane = pane
+            for p in self.panes:
+                p.set_focused(p is pane)
+        if pane.session is not None:  # also when the focused pane switched chats
             self.sidebar.select(pane.session.id)
             self.setWindowTitle(f"{pane.session.title} — {APP_NAME}")
 
@@ -723,6 +722,8 @@ class MainWindow(QMainWindow):
 
     def _conversations_changed(self) -> None:
         self.sidebar.reload()
+        if self.focused_pane is not None and self.focused_pane.session is not None:
+            self.sidebar.select(self.focused_pane.session.id)
         if self.focused_pane is not None and self.focused_pane.session is not None:
             self.setWindowTitle(f"{self.focused_pane.session.title} — {APP_NAME}")
 

@@ -358,3 +358,86 @@ def test_the_monitor_comes_back_when_the_window_widens(window, qtbot):
     window.resize(1380, 860)
     qtbot.waitUntil(lambda: window.monitor_dock.isVisible())
     assert window.monitor_dock.width() <= 1380 * 0.4
+
+
+# ---- 6. the sidebar -----------------------------------------------------------------------
+
+
+def _click_sidebar_row(qtbot, sidebar, cid):
+    idx = sidebar.proxy.mapFromSource(sidebar.model.index(sidebar.model.row_of(cid)))
+    assert idx.isValid()
+    qtbot.mouseClick(
+        sidebar.view.viewport(),
+        Qt.MouseButton.LeftButton,
+        pos=sidebar.view.visualRect(idx).center(),
+    )
+
+
+def test_the_sidebar_highlights_the_chat_of_the_focused_pane(window, qtbot):
+    a = _chat_with_message(window, "chat a")
+    b = _chat_with_message(window, "chat b", new_pane=True)
+    c = _chat_with_message(window, "chat c", new_pane=True)
+    sidebar = window.sidebar
+    pa, pb, pc = (window.pane_for(x.id) for x in (a, b, c))
+    qtbot.mouseClick(pb.input, Qt.MouseButton.LeftButton)
+    assert window.focused_pane is pb and sidebar.highlighted_id() == b.id
+    qtbot.keyClick(window, Qt.Key.Key_1, Qt.KeyboardModifier.ControlModifier)
+    assert window.focused_pane is pa and sidebar.highlighted_id() == a.id
+    # Ctrl+N in the focused pane: the new chat is not listed yet, so nothing stays highlighted
+    qtbot.keyClick(window, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier)
+    assert window.focused_pane is pa and pa.session.id not in (a.id, b.id, c.id)
+    assert sidebar.highlighted_id() is None
+    # its first message lists it, highlighted
+    pa.input.setPlainText("chat d")
+    qtbot.keyClick(pa.input, Qt.Key.Key_Return)
+    d = pa.session
+    qtbot.waitUntil(lambda: d.id in sidebar.visible_ids())
+    assert sidebar.highlighted_id() == d.id
+    # picking a chat in the sidebar shows it in the focused pane, highlighted, and a change
+    # elsewhere (another chat's title) does not move the highlight
+    qtbot.mouseClick(pc.input, Qt.MouseButton.LeftButton)
+    _click_sidebar_row(qtbot, sidebar, a.id)  # a is not open: it replaces c in pane 3
+    assert window.focused_pane is pc and pc.session is a and sidebar.highlighted_id() == a.id
+    b.rename("Renamed meanwhile")
+    assert sidebar.highlighted_id() == a.id
+
+
+def test_new_chats_are_listed_from_their_first_message(window, qtbot):
+    sidebar = window.sidebar
+    first = _chat_with_message(window, "a real chat")
+    assert sidebar.visible_ids() == [first.id]
+    for _ in range(3):
+        qtbot.keyClick(window, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier)
+        qtbot.keyClick(
+            window,
+            Qt.Key.Key_N,
+            Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier,
+        )
+    assert sidebar.visible_ids() == [first.id]  # no look-alike empty "New Chat"s
+    titles = [sidebar.proxy.index(r, 0).data() for r in range(sidebar.proxy.rowCount())]
+    assert titles.count("New Chat") == 0
+    pane = window.focused_pane
+    pane.input.setPlainText("second real chat")
+    qtbot.keyClick(pane.input, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: pane.session.id in sidebar.visible_ids())
+    assert len(sidebar.visible_ids()) == 2
+
+
+def test_search_says_when_nothing_matches_and_esc_clears_it(window, qtbot):
+    a = _chat_with_message(window, "bananas are yellow")
+    b = _chat_with_message(window, "the sky is blue", new_pane=True)
+    sidebar = window.sidebar
+    qtbot.keyClick(window, Qt.Key.Key_F, Qt.KeyboardModifier.ControlModifier)  # Find
+    assert sidebar.search.hasFocus()
+    qtbot.keyClicks(sidebar.search, "banan")
+    qtbot.waitUntil(lambda: sidebar.visible_ids() == [a.id])
+    assert not sidebar.empty.isVisible()
+    qtbot.keyClicks(sidebar.search, "zzz")
+    qtbot.waitUntil(lambda: sidebar.empty.isVisible())
+    assert sidebar.visible_ids() == [] and "bananzzz" in sidebar.empty.text()
+    assert not sidebar.view.isVisible()
+    qtbot.keyClick(sidebar.search, Qt.Key.Key_Escape)
+    assert sidebar.search.text() == ""
+    qtbot.waitUntil(lambda: set(sidebar.visible_ids()) == {a.id, b.id})
+    assert sidebar.view.isVisible() and not sidebar.empty.isVisible()
+    assert sidebar.highlighted_id() == window.focused_pane.session.id

@@ -107,9 +107,9 @@ class ChatSession(QObject):
             return False
         parent = self.tree.active_leaf
         user = self._new_message(parent, "user", text, Status.COMPLETE)
-        if self.title == DEFAULT_TITLE:
-            self.rename(title_from(text))
         self._reply(user.id, n=1)
+        if self.title == DEFAULT_TITLE:  # after the reply is on the path: the chat has begun
+            self.rename(title_from(text))
         return True
 
     def regenerate(self, message_id: str | None = None, n: int = 1) -> bool:
@@ -376,8 +376,8 @@ class SessionManager(QObject):
 
     def _busy(self, session_id: str, busy: bool) -> None:
         self.busyChanged.emit(session_id, busy)
-        if not busy:
-            self.conversationsChanged.emit()  # "updated" order changed
+        self.conversationsChanged.emit()  # "updated" order changed, or a first message
+
 
     def rename(self, conversation_id: str, title: str) -> None:
         session = self.sessions.get(conversation_id)
