@@ -441,3 +441,40 @@ def test_search_says_when_nothing_matches_and_esc_clears_it(window, qtbot):
     qtbot.waitUntil(lambda: set(sidebar.visible_ids()) == {a.id, b.id})
     assert sidebar.view.isVisible() and not sidebar.empty.isVisible()
     assert sidebar.highlighted_id() == window.focused_pane.session.id
+
+
+# ---- 9. the empty-pane hint ---------------------------------------------------------------
+
+
+def _hint_fits(pane):
+    from PySide6.QtGui import QFontMetrics
+
+    label, vp = pane.empty_label, pane.view.viewport()
+    if label.geometry() != vp.rect():
+        return False
+    room = label.contentsRect()
+    fm = QFontMetrics(label.font())
+    needed = fm.boundingRect(room, int(Qt.TextFlag.TextWordWrap | label.alignment()), label.text())
+    return room.contains(needed)
+
+
+def test_the_empty_pane_hint_fits_narrow_panes_and_while_loading(qtbot, qasync_loop, app_env):
+    store = Store(app_env)
+    bridge = EngineBridge()
+    w = MainWindow(store, bridge)
+    qtbot.addWidget(w)
+    w.resize(1000, 700)
+    w.show()  # the bridge has no engine: this is the window while the model is not loaded
+    qtbot.waitExposed(w)
+    pane = w.panes[0]
+    assert pane.empty_label.isVisible()
+    QApplication.processEvents()
+    assert _hint_fits(pane)  # right away, not after some later resize
+    for _ in range(3):
+        w.new_chat(new_pane=True)
+    qtbot.waitUntil(lambda: all(p.width() < 200 for p in w.panes))
+    for p in w.panes:
+        qtbot.waitUntil(lambda p=p: _hint_fits(p))
+        assert p.empty_label.isVisible()
+    w.shutdown_chats()
+    store.close()

@@ -125,6 +125,11 @@ class ChatPane(QFrame):
         self.empty_label.setObjectName("emptyState")
         self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.empty_label.setAttribute(Qt.WidgetAttribute.WA_TransparentForMouseEvents)
+        self.empty_label.setWordWrap(True)  # narrow panes wrap the hint instead of cutting it
+        self.empty_label.setContentsMargins(8, 8, 8, 8)
+        # it floats over the viewport (not in a layout): follow the viewport's own resizes,
+        # which come after the pane's (the pane's resize alone left it at a stale size)
+        self.view.viewport().installEventFilter(self)
 
         self.notice_label = QLabel()
         self.notice_label.setObjectName("paneNotice")
@@ -254,6 +259,8 @@ class ChatPane(QFrame):
         self.header.update()
 
     def eventFilter(self, obj: QObject, event: QEvent) -> bool:
+        if event.type() == QEvent.Type.Resize and obj is self.view.viewport():
+            self.empty_label.setGeometry(self.view.viewport().rect())
         if event.type() == QEvent.Type.FocusIn:
             self.focusedIn.emit(self)
         return False
