@@ -226,6 +226,7 @@ class Engine:
             num_blocks=num_blocks,
             bytes_per_block=self.pool.bytes_per_block,
             attention="metal-kernel" if use_kernel else "reference",
+            path=str(loaded.path),
         )
         self._publish(force=True)
 

@@ -85,6 +85,10 @@ class SessionStats:
     wasted_slots: int
     tokens_per_s: float
     requests: int
+    #: Prompt progress of the session's request still reading its prompt (prefill): tokens
+    #: computed (or being computed this step) of prompt_tokens. Both 0 once it generates.
+    prompt_computed: int = 0
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -174,3 +178,4 @@ class ModelInfo:
     num_blocks: int
     bytes_per_block: int
     attention: str  # "metal-kernel" or "reference"
+    path: str = ""  # the model folder (its generation_config.json gives sampling defaults)

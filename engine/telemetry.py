@@ -133,6 +133,10 @@ class Telemetry:
                 if seq.table is not None:
                     stats["blocks"].update(seq.table.blocks)
                     stats["tokens"] += seq.table.num_tokens
+                if seq.state in (SequenceState.WAITING, SequenceState.PREFILLING):
+                    done = min(seq.num_in_table, seq.num_prompt)
+                    if seq.num_prompt - done > stats["prompt_left"][1] - stats["prompt_left"][0]:
+                        stats["prompt_left"] = (done, seq.num_prompt)
         result = {}
         for sid, s in sessions.items():
             held = s["blocks"]
@@ -146,12 +150,15 @@ class Telemetry:
                 wasted_slots=sum(block_size - fills[b] for b in held),
                 tokens_per_s=rate.per_second(now) if rate is not None else 0.0,
                 requests=s["requests"],
+                prompt_computed=s["prompt_left"][0],
+                prompt_tokens=s["prompt_left"][1],
             )
         return result
 
 
 def _new_session() -> dict:
-    return {"states": set(), "blocks": set(), "tokens": 0, "requests": 0}
+    # prompt_left: (computed, total) of the prompt with the most still to read
+    return {"states": set(), "blocks": set(), "tokens": 0, "requests": 0, "prompt_left": (0, 0)}
 
 
 def _session_state(states: set[SequenceState]) -> SequenceState:

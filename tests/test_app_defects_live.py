@@ -107,3 +107,41 @@ def test_streaming_in_four_panes_never_changes_a_width(harness, qtbot):
     assert len(seen) > 3  # sampled while the replies streamed
     assert all(s == before for s in seen), [s for s in seen if s != before][:3]
     assert (w.width(), [p.width() for p in w.panes], w.monitor_dock.width()) == before
+
+
+def test_a_long_paste_shows_how_much_of_it_was_read(harness, qtbot):
+    """The pending reply reads "Reading your message… N / M tokens", N growing, M the prompt's
+    real token count (the engine's own count of what it was sent)."""
+    from PySide6.QtGui import QGuiApplication
+
+    pane = harness.window.focused_pane
+    pane.session.set_settings(greedy(4))
+    paste = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(75))
+    QGuiApplication.clipboard().setText(paste)
+    pane.input.setFocus()
+    qtbot.keyClick(pane.input, Qt.Key.Key_V, Qt.KeyboardModifier.ControlModifier)
+    assert pane.input.toPlainText() == paste
+    expected_total = harness.bridge.engine.count_tokens([{"role": "user", "content": paste}])
+    assert 900 < expected_total < 1400  # several prefill chunks; fits the 64 MiB test pool
+    shown: list[str] = []
+
+    def record(_snap):
+        reply = last_reply(pane)
+        if reply.role == "assistant" and reply.status == Status.PENDING:
+            shown.append(pane.model.waiting_text(reply))
+
+    harness.bridge.snapshotUpdated.connect(record)
+    qtbot.keyClick(pane.input, Qt.Key.Key_Return)
+    wait_idle(qtbot, pane)
+    harness.bridge.snapshotUpdated.disconnect(record)
+    reading = [t for t in shown if t.startswith("Reading your message…")]
+    assert reading, shown[:5]
+    counts = []
+    for t in reading:
+        done, total = t.removeprefix("Reading your message… ").removesuffix(" tokens").split(" / ")
+        counts.append((int(done.replace(",", "")), int(total.replace(",", ""))))
+    assert all(total == expected_total for _, total in counts), (counts[:3], expected_total)
+    assert all(0 <= d <= t for d, t in counts)
+    assert [d for d, _ in counts] == sorted(d for d, _ in counts)  # it only moves forward
+    assert len({d for d, _ in counts}) >= 2  # and it did move while the user waited
+    assert last_reply(pane).content

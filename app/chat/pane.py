@@ -414,8 +414,15 @@ class ChatPane(QFrame):
         self.empty_label.setVisible(not has)
         self.empty_label.setGeometry(self.view.viewport().rect())
 
-    def _on_snapshot(self, _snapshot: Any) -> None:
+    def _on_snapshot(self, snapshot: Any) -> None:
         self._update_footer()
+        if self.model is None or self.session is None:
+            return
+        stats = snapshot.sessions.get(self.session.id) if snapshot is not None else None
+        total = getattr(stats, "prompt_tokens", 0) if self.session.busy else 0
+        self.model.set_prompt_progress(
+            (stats.prompt_computed, total) if stats is not None and total else None
+        )
 
     def footer_stats(self) -> dict[str, Any]:
         """What the footer shows, as numbers (tests read this)."""
