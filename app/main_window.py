@@ -9,6 +9,7 @@ panes). Chat behaviour itself lives in ChatSession; this class only wires things
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import sys
 from typing import Any
@@ -40,11 +41,13 @@ from app.chat.session import ChatSession, SessionManager
 from app.confirm import confirm_destructive
 from app.core import secrets
 from app.core.app_settings import AppSettings
+from app.core.generation_defaults import model_defaults
 from app.core.records import ChatSettings
 from app.dock_fit import DockFitter
 from app.settings_dialog import SettingsDialog
 from app.sidebar import Sidebar
 from app.theme import theme_manager
+from engine import SamplingParams
 
 MAX_PANES = 4
 LAYOUT_KEY = "window_layout"
@@ -405,6 +408,7 @@ class MainWindow(QMainWindow):
         self.manager.conversationsChanged.connect(self._conversations_changed)
         self.manager.busyChanged.connect(self.sidebar.model.set_busy)
         self.bridge.statusChanged.connect(self._on_status)
+        self.bridge.modelReady.connect(self._apply_default_chat_settings)
         self.bridge.snapshotUpdated.connect(self._on_snapshot)
         self.banner.settingsRequested.connect(self.open_settings)
         self.banner.retryRequested.connect(self.restart_engine)
@@ -684,11 +688,21 @@ class MainWindow(QMainWindow):
             self.restart_engine()
         return True
 
-    def _apply_default_chat_settings(self) -> None:
+    def _apply_default_chat_settings(self, *_args: object) -> None:
+        """New chats sample as the user set in Settings, else as the loaded model asks."""
+        sampling = self.settings.default_sampling
+        source = "your defaults (Settings)"
+        if sampling == SamplingParams():  # never changed by the user
+            info = self.bridge.model_info
+            sampling, source = model_defaults(getattr(info, "path", "") if info else "")
+        previous = self.manager.default_settings.sampling
         self.manager.default_settings = ChatSettings(
-            system_prompt=self.settings.default_system_prompt,
-            sampling=self.settings.default_sampling,
+            system_prompt=self.settings.default_system_prompt, sampling=sampling
         )
+        self.manager.default_source = source
+        for session in self.manager.sessions.values():  # empty chats made before the model
+            if not session.tree.by_id and session.settings.sampling == previous != sampling:
+                session.set_settings(dataclasses.replace(session.settings, sampling=sampling))
 
     def set_theme(self, theme: str) -> None:
         self.settings.theme = theme

@@ -145,3 +145,56 @@ def test_a_long_paste_shows_how_much_of_it_was_read(harness, qtbot):
     assert [d for d, _ in counts] == sorted(d for d, _ in counts)  # it only moves forward
     assert len({d for d, _ in counts}) >= 2  # and it did move while the user waited
     assert last_reply(pane).content
+
+
+def _worst_repeat(text: str) -> int:
+    """How often the most frequent 3-word sequence occurs (a loop repeats one many times)."""
+    from collections import Counter
+
+    words = text.lower().split()
+    grams = Counter(tuple(words[i : i + 3]) for i in range(len(words) - 2))
+    return max(grams.values(), default=0)
+
+
+LOOP = 5  # a 3-word sequence seen more than this often in one reply is a loop
+
+
+def test_new_chats_sample_without_looping(harness, qtbot):
+    """With the defaults a new chat gets, regenerate x3 (Ctrl+Shift+R) gives replies that do
+    not loop and end within max_tokens; the chat settings dialog shows those defaults."""
+    from app.core.generation_defaults import model_defaults
+
+    w = harness.window
+    qtbot.keyClick(w, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier)
+    pane = w.focused_pane
+    want, _source = model_defaults(harness.bridge.model_info.path)
+    s = pane.session.settings.sampling
+    assert s == want and s.max_tokens <= 512
+    # the dialog shows them (values and where they come from)
+    seen = {}
+
+    def look(dialog):
+        seen["temperature"] = dialog.sampling.temperature.value()
+        seen["repetition"] = dialog.sampling.repetition_penalty.value()
+        seen["max"] = dialog.sampling.max_tokens.value()
+        seen["note"] = dialog.defaults_label.text()
+        dialog.reject()
+
+    when_modal(look)
+    qtbot.mouseClick(pane.settings_button, Qt.MouseButton.LeftButton)
+    assert seen["temperature"] == pytest.approx(s.temperature)
+    assert seen["repetition"] == pytest.approx(s.repetition_penalty)
+    assert seen["max"] == s.max_tokens and "New chats start with" in seen["note"]
+    _type_and_send(qtbot, pane, "Tell me about a great adventure.")
+    wait_idle(qtbot, pane)
+    first = last_reply(pane)
+    qtbot.keyClick(
+        w, Qt.Key.Key_R, Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier
+    )
+    wait_idle(qtbot, pane)
+    replies = pane.session.tree.children(first.parent_id)
+    assert len(replies) == 4
+    for r in replies:
+        assert r.status in (Status.COMPLETE, Status.LENGTH), (r.status, r.meta.get("error"))
+        assert r.meta["usage"]["generated_tokens"] <= s.max_tokens
+        assert _worst_repeat(r.content) <= LOOP, (_worst_repeat(r.content), r.content[-300:])

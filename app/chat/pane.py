@@ -357,7 +357,14 @@ class ChatPane(QFrame):
     def open_settings(self) -> None:
         if self.session is None:
             return
-        dialog = ChatSettingsDialog(self.session.title, self.session.settings, self)
+        manager = self.session.manager
+        dialog = ChatSettingsDialog(
+            self.session.title,
+            self.session.settings,
+            self,
+            defaults=getattr(getattr(manager, "default_settings", None), "sampling", None),
+            defaults_source=getattr(manager, "default_source", ""),
+        )
         if dialog.exec() == QDialog.DialogCode.Accepted:
             self.session.set_settings(dialog.value())
             self.settingsChanged.emit(self.session.id)

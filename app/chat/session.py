@@ -47,6 +47,7 @@ class ChatSession(QObject):
 
     def __init__(self, conversation: Conversation, store: Any, bridge: Any) -> None:
         super().__init__()
+        self.manager: Any = None  # the SessionManager that made it (new-chat defaults)
         self.conversation = conversation
         self.store = store
         self.bridge = bridge
@@ -345,6 +346,7 @@ class SessionManager(QObject):
         bridge.finalReceived.connect(self._on_final)
         bridge.modelReady.connect(self._on_ready)
         self.default_settings = ChatSettings()
+        self.default_source = ""  # where default_settings' sampling comes from (for the UI)
 
     def get(self, conversation_id: str) -> ChatSession | None:
         """The session of a conversation, loading it from the store if needed."""
@@ -367,6 +369,7 @@ class SessionManager(QObject):
 
     def _adopt(self, conv: Conversation) -> ChatSession:
         session = ChatSession(conv, self.store, self.bridge)
+        session.manager = self
         self.sessions[conv.id] = session
         session.titleChanged.connect(lambda _t: self.conversationsChanged.emit())
         session.busyChanged.connect(lambda b, sid=conv.id: self._busy(sid, b))
