@@ -478,3 +478,89 @@ def test_the_empty_pane_hint_fits_narrow_panes_and_while_loading(qtbot, qasync_l
         assert p.empty_label.isVisible()
     w.shutdown_chats()
     store.close()
+
+
+# ---- 11. smaller things -------------------------------------------------------------------
+
+
+def test_chat_settings_dialog_ctrl_enter_saves_and_has_plain_buttons(window, qtbot):
+    from PySide6.QtWidgets import QDialogButtonBox
+
+    pane = window.focused_pane
+    seen = {}
+
+    def use(dialog):
+        box = dialog.form.system_prompt
+        box.setFocus()
+        qtbot.keyClicks(box, "Be brief.")
+        qtbot.keyClick(box, Qt.Key.Key_Return)  # a new line, as the hint says
+        qtbot.keyClicks(box, "Use lists.")
+        seen["hint"] = dialog.form.prompt_hint.isVisible() and "Ctrl+Enter" in (
+            dialog.form.prompt_hint.text()
+        )
+        ok = dialog.buttons.button(QDialogButtonBox.StandardButton.Ok)
+        seen["ok_icon"] = ok.icon().isNull()
+        qtbot.keyClick(box, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+        seen["open_after"] = dialog.isVisible()
+
+    when_modal(use)
+    qtbot.mouseClick(pane.settings_button, Qt.MouseButton.LeftButton)
+    assert seen == {"hint": True, "ok_icon": True, "open_after": False}
+    assert pane.session.settings.system_prompt == "Be brief.\nUse lists."
+    assert window.store.get_conversation(pane.session.id).settings.system_prompt == (
+        "Be brief.\nUse lists."
+    )
+
+
+def test_settings_says_where_the_token_really_goes(window, qtbot):
+    from PySide6.QtWidgets import QLabel
+
+    seen = {}
+
+    def look(dialog):
+        for label in dialog.findChildren(QLabel):
+            if label.accessibleName() == "Where the token is stored":
+                seen["text"] = label.text()
+        dialog.reject()
+
+    when_modal(look)
+    window.act_settings.trigger()
+    # the tests' keyring is keyrings.alt's plain-text file: the label must not call it a
+    # system keychain
+    assert "PlaintextKeyring" in seen["text"] and "not in a system keychain" in seen["text"]
+    assert not seen["text"].startswith("Stored only in the system keychain")
+
+
+def test_a_closed_pane_no_longer_listens(window, qtbot):
+    window.new_chat(new_pane=True)
+    closing = window.panes[1]
+    with qtbot.waitSignal(closing.destroyed, timeout=5000):
+        qtbot.mouseClick(closing.close_button, Qt.MouseButton.LeftButton)
+    assert len(window.panes) == 1
+    # the bridge's signals fire again (status, snapshots): a deleted pane must not be called
+    # (pytest-qt fails the test on an exception raised in a slot)
+    window.bridge.statusChanged.emit("loading")
+    window.bridge.snapshotUpdated.emit(None)
+    window.bridge.statusChanged.emit("idle")
+
+
+def test_the_monitors_chat_table_lists_active_chats_first():
+    from app.monitor.legend import LegendModel
+    from engine.events import Counters, PoolSnapshot, SequenceState, SessionStats
+
+    def stats(sid, state):
+        return SessionStats(sid, state, 1, 0, 16, 0, 0.0, 1)
+
+    def snap(sessions):
+        counters = Counters(0, 0, 0.0, 0.0, 0, 0, 0, 0.0, 0)
+        return PoolSnapshot(0.0, 16, 1, 1, ((),), (0,), (0,), (False,), ((),), sessions, counters)
+
+    model = LegendModel()
+    idle = {f"idle{i}": stats(f"idle{i}", SequenceState.FINISHED) for i in range(7)}
+    model.update_from(snap(idle), lambda s: s)
+    busy = dict(idle, fresh=stats("fresh", SequenceState.PREFILLING))
+    busy["idle3"] = stats("idle3", SequenceState.DECODING)
+    model.update_from(snap(busy), lambda s: s)
+    ids = [model.index(r, 0).data(Qt.ItemDataRole.UserRole) for r in range(model.rowCount())]
+    assert set(ids[:2]) == {"fresh", "idle3"}, ids
+    assert ids[2:] == [f"idle{i}" for i in (0, 1, 2, 4, 5, 6)]  # the rest keep their order

@@ -182,7 +182,7 @@ class ChatMessageModel(QAbstractListModel):
             self.full_renders += 1
         html = rendered.html
         if msg.status == Status.ERROR and msg.meta.get("error"):
-            html += f'<p style="color:#d64545;">{escape(str(msg.meta["error"]))}</p>'
+            html += f'<p style="color:#d64545;">{escape(sentence(str(msg.meta["error"])))}</p>'
         doc = QTextDocument()
         doc.setUndoRedoEnabled(False)
         doc.setDocumentMargin(0)
@@ -275,3 +275,12 @@ def status_text(msg: Message) -> str:
         Status.LENGTH: "Cut at max tokens",
         Status.ERROR: "Error",
     }.get(msg.status, "")
+
+
+def sentence(text: str) -> str:
+    """An engine message shown to the user: capitalised, ending with a full stop."""
+    text = text.strip()
+    if not text:
+        return text
+    text = text[0].upper() + text[1:]
+    return text if text[-1] in ".!?…" else text + "."

@@ -262,8 +262,7 @@ class ChatSession(QObject):
         if event.error:
             meta["error"] = event.error
         self._finish(msg, status, text, meta)
-        if status == Status.ERROR and event.error:
-            self.notice.emit(event.error)
+        # an engine error is shown once, in the reply it ended (not also as a notice)
         if all(i is None for i in ids):
             del self._requests[request_id]
             if not self._requests:
