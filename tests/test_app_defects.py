@@ -7,7 +7,7 @@ real model are in test_app_defects_live.py.
 from __future__ import annotations
 
 import pytest
-from PySide6.QtCore import QEvent, QObject, Qt
+from PySide6.QtCore import QEvent, QObject, QPoint, Qt
 from PySide6.QtGui import QColor, QContextMenuEvent
 from PySide6.QtWidgets import QApplication, QMessageBox, QToolButton
 
@@ -564,3 +564,70 @@ def test_the_monitors_chat_table_lists_active_chats_first():
     ids = [model.index(r, 0).data(Qt.ItemDataRole.UserRole) for r in range(model.rowCount())]
     assert set(ids[:2]) == {"fresh", "idle3"}, ids
     assert ids[2:] == [f"idle{i}" for i in (0, 1, 2, 4, 5, 6)]  # the rest keep their order
+
+
+# ---- 7. tooltips that stay; the timeline's hover readout ----------------------------------
+
+
+def test_the_timeline_reads_out_the_value_under_the_pointer(qtbot):
+    from PySide6.QtWidgets import QToolTip
+
+    from app.monitor.timeline import WINDOW_S, TimelineWidget
+
+    tl = TimelineWidget()
+    qtbot.addWidget(tl)
+    tl.resize(400, 120)
+    tl.show()
+    qtbot.waitExposed(tl)
+    clock = [1000.0]
+    tl.clock = lambda: clock[0]
+    for i in range(61):  # one sample a second: used = 10 * age-from-start, rate = i / 2
+        clock[0] = 1000.0 + i
+        tl.add(used=10 * i, cached=i, shared=i // 2, rate=i / 2, num_blocks=1000)
+    # the pointer at 30 s ago, then at the right edge ("now")
+    s = tl.samples.series()
+    plot = tl._plot_rect(f"{tl.blocks_scale(s):,} blk", "40 tok/s")
+    x30 = plot.right() - 30 / WINDOW_S * plot.width()
+    qtbot.mouseMove(tl, QPoint(int(round(x30)), int(plot.center().y())))
+    qtbot.waitUntil(lambda: tl.hover_text != "")
+    assert tl.hover_text.startswith(("30 s ago", "29 s ago", "31 s ago")), tl.hover_text
+    i = int(tl.hover_text.split(" s ago")[0])
+    assert f"{10 * (60 - i):,} blocks used" in tl.hover_text
+    assert f"{(60 - i) / 2:.1f} tok/s" in tl.hover_text
+    assert QToolTip.isVisible() and QToolTip.text() == tl.hover_text
+    qtbot.mouseMove(tl, QPoint(int(plot.right()), int(plot.center().y())))
+    qtbot.waitUntil(lambda: tl.hover_text.startswith("now"))
+    assert "600 blocks used" in tl.hover_text
+
+
+def test_a_message_action_tooltip_stays_while_hovered(window, qtbot):
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QToolTip
+
+    from app.chat.delegate import ACTION_TIPS
+
+    pane = window.focused_pane
+    pane.send("hover my buttons")
+    view = pane.view
+    qtbot.waitUntil(lambda: view.model().rowCount() == 2)
+    view.scrollToBottom()
+    rect = view.row_geometry(1).actions["copy"]
+    vp = view.viewport()
+    qtbot.mouseMove(vp, rect.center())
+    qtbot.waitUntil(lambda: QToolTip.isVisible())
+    assert QToolTip.text() == ACTION_TIPS["copy"]
+    # small moves inside the button, over two seconds: the tip never goes away
+    checks = []
+
+    def wiggle(n=0):
+        qtbot.mouseMove(vp, rect.center() + QPoint((n % 3) - 1, 0))
+        checks.append(QToolTip.isVisible() and QToolTip.text() == ACTION_TIPS["copy"])
+        if n < 20:
+            QTimer.singleShot(100, lambda: wiggle(n + 1))
+
+    wiggle()
+    qtbot.waitUntil(lambda: len(checks) == 21, timeout=10_000)
+    assert all(checks), checks
+    # off the buttons, it goes
+    qtbot.mouseMove(vp, QPoint(rect.center().x(), rect.top() - 30))
+    qtbot.waitUntil(lambda: not QToolTip.isVisible() or QToolTip.text() != ACTION_TIPS["copy"])

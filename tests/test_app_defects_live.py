@@ -188,9 +188,7 @@ def test_new_chats_sample_without_looping(harness, qtbot):
     _type_and_send(qtbot, pane, "Tell me about a great adventure.")
     wait_idle(qtbot, pane)
     first = last_reply(pane)
-    qtbot.keyClick(
-        w, Qt.Key.Key_R, Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier
-    )
+    w.act_regen3.trigger()  # Chat ▸ Regenerate 3 Alternatives
     wait_idle(qtbot, pane)
     replies = pane.session.tree.children(first.parent_id)
     assert len(replies) == 4
