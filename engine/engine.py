@@ -234,6 +234,7 @@ class Engine:
             num_blocks=num_blocks,
             bytes_per_block=self.pool.bytes_per_block,
             attention=(attention.kernel_path() or "reference") if use_kernel else "reference",
+            path=str(loaded.path),
         )
         self._publish(force=True)
 

@@ -30,6 +30,7 @@ from app.chat.message_model import ChatMessageModel
 from app.chat.message_view import MessageListView
 from app.chat.session import ChatSession
 from app.core.records import Status
+from app.elided_label import ElidedLabel
 from app.qt_util import disconnect
 from engine import EngineStatus
 
@@ -81,7 +82,7 @@ class ChatPane(QFrame):
         self._build()
         self.set_session(session)
         bridge.snapshotUpdated.connect(self._on_snapshot)
-        bridge.statusChanged.connect(lambda _s: self._update_footer())
+        bridge.statusChanged.connect(self._update_footer)
 
     # ---- construction --------------------------------------------------------------------
 
@@ -125,6 +126,11 @@ class ChatPane(QFrame):
         self.empty_label.setObjectName("emptyState")
         self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.empty_label.setAttribute(Qt.WidgetAttribute.WA_TransparentForMouseEvents)
+        self.empty_label.setWordWrap(True)  # narrow panes wrap the hint instead of cutting it
+        self.empty_label.setContentsMargins(8, 8, 8, 8)
+        # it floats over the viewport (not in a layout): follow the viewport's own resizes,
+        # which come after the pane's (the pane's resize alone left it at a stale size)
+        self.view.viewport().installEventFilter(self)
 
         self.notice_label = QLabel()
         self.notice_label.setObjectName("paneNotice")
@@ -167,10 +173,9 @@ class ChatPane(QFrame):
         wl.addWidget(composer)
         layout.addWidget(wrap)
 
-        self.footer = QLabel()
+        self.footer = ElidedLabel()
         self.footer.setObjectName("paneFooter")
         self.footer.setAccessibleName("Chat statistics")
-        self.footer.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         layout.addWidget(self.footer)
 
         for w in (self.input, self.view, self.send_button, self.settings_button, self.close_button):
@@ -213,6 +218,7 @@ class ChatPane(QFrame):
         session.pathChanged.connect(self._update_empty)
         session.settingsChanged.connect(self._update_title)
         self.header.accent = colors.accent_color(session.id)
+        self.header.update()  # the dot and the accent bar are painted, not styled
         self._update_title()
         self._update_busy()
         self._update_empty()
@@ -235,7 +241,10 @@ class ChatPane(QFrame):
             self._disconnect_session(self.session)
         if self.model is not None:
             self.model.detach()
-        for sig, slot in ((self.bridge.snapshotUpdated, self._on_snapshot),):
+        for sig, slot in (
+            (self.bridge.snapshotUpdated, self._on_snapshot),
+            (self.bridge.statusChanged, self._update_footer),
+        ):
             disconnect(sig, slot)
 
     def set_number(self, n: int) -> None:
@@ -251,6 +260,8 @@ class ChatPane(QFrame):
         self.header.update()
 
     def eventFilter(self, obj: QObject, event: QEvent) -> bool:
+        if event.type() == QEvent.Type.Resize and obj is self.view.viewport():
+            self.empty_label.setGeometry(self.view.viewport().rect())
         if event.type() == QEvent.Type.FocusIn:
             self.focusedIn.emit(self)
         return False
@@ -347,7 +358,14 @@ class ChatPane(QFrame):
     def open_settings(self) -> None:
         if self.session is None:
             return
-        dialog = ChatSettingsDialog(self.session.title, self.session.settings, self)
+        manager = self.session.manager
+        dialog = ChatSettingsDialog(
+            self.session.title,
+            self.session.settings,
+            self,
+            defaults=getattr(getattr(manager, "default_settings", None), "sampling", None),
+            defaults_source=getattr(manager, "default_source", ""),
+        )
         if dialog.exec() == QDialog.DialogCode.Accepted:
             self.session.set_settings(dialog.value())
             self.settingsChanged.emit(self.session.id)
@@ -404,8 +422,15 @@ class ChatPane(QFrame):
         self.empty_label.setVisible(not has)
         self.empty_label.setGeometry(self.view.viewport().rect())
 
-    def _on_snapshot(self, _snapshot: Any) -> None:
+    def _on_snapshot(self, snapshot: Any) -> None:
         self._update_footer()
+        if self.model is None or self.session is None:
+            return
+        stats = snapshot.sessions.get(self.session.id) if snapshot is not None else None
+        total = getattr(stats, "prompt_tokens_total", 0) if self.session.busy else 0
+        self.model.set_prompt_progress(
+            (stats.prompt_tokens_done, total) if stats is not None and total else None
+        )
 
     def footer_stats(self) -> dict[str, Any]:
         """What the footer shows, as numbers (tests read this)."""
@@ -450,6 +475,6 @@ class ChatPane(QFrame):
         if text != self.footer.text():
             self.footer.setText(text)
             self.footer.setToolTip(
-                "Decode speed · context used / context limit · KV blocks held by this chat "
-                "(shared: also held by another sequence)"
+                f"{text}\n\nDecode speed · context used / context limit · KV blocks held by "
+                "this chat (shared: also held by another sequence)"
             )

@@ -47,6 +47,7 @@ class ChatSession(QObject):
 
     def __init__(self, conversation: Conversation, store: Any, bridge: Any) -> None:
         super().__init__()
+        self.manager: Any = None  # the SessionManager that made it (new-chat defaults)
         self.conversation = conversation
         self.store = store
         self.bridge = bridge
@@ -107,9 +108,9 @@ class ChatSession(QObject):
             return False
         parent = self.tree.active_leaf
         user = self._new_message(parent, "user", text, Status.COMPLETE)
-        if self.title == DEFAULT_TITLE:
-            self.rename(title_from(text))
         self._reply(user.id, n=1)
+        if self.title == DEFAULT_TITLE:  # after the reply is on the path: the chat has begun
+            self.rename(title_from(text))
         return True
 
     def regenerate(self, message_id: str | None = None, n: int = 1) -> bool:
@@ -261,8 +262,7 @@ class ChatSession(QObject):
         if event.error:
             meta["error"] = event.error
         self._finish(msg, status, text, meta)
-        if status == Status.ERROR and event.error:
-            self.notice.emit(event.error)
+        # an engine error is shown once, in the reply it ended (not also as a notice)
         if all(i is None for i in ids):
             del self._requests[request_id]
             if not self._requests:
@@ -345,6 +345,7 @@ class SessionManager(QObject):
         bridge.finalReceived.connect(self._on_final)
         bridge.modelReady.connect(self._on_ready)
         self.default_settings = ChatSettings()
+        self.default_source = ""  # where default_settings' sampling comes from (for the UI)
 
     def get(self, conversation_id: str) -> ChatSession | None:
         """The session of a conversation, loading it from the store if needed."""
@@ -367,6 +368,7 @@ class SessionManager(QObject):
 
     def _adopt(self, conv: Conversation) -> ChatSession:
         session = ChatSession(conv, self.store, self.bridge)
+        session.manager = self
         self.sessions[conv.id] = session
         session.titleChanged.connect(lambda _t: self.conversationsChanged.emit())
         session.busyChanged.connect(lambda b, sid=conv.id: self._busy(sid, b))
@@ -376,8 +378,8 @@ class SessionManager(QObject):
 
     def _busy(self, session_id: str, busy: bool) -> None:
         self.busyChanged.emit(session_id, busy)
-        if not busy:
-            self.conversationsChanged.emit()  # "updated" order changed
+        self.conversationsChanged.emit()  # "updated" order changed, or a first message
+
 
     def rename(self, conversation_id: str, title: str) -> None:
         session = self.sessions.get(conversation_id)

@@ -170,6 +170,23 @@ class LegendModel(QAbstractTableModel):
             self.beginInsertRows(QModelIndex(), first, first + len(new_rows) - 1)
             self._rows.extend(new_rows)
             self.endInsertRows()
+        self._active_first()
+
+    def _active_first(self) -> None:
+        """Chats that are prefilling, decoding or waiting come first (stable otherwise), so
+        the busy ones are never hidden below the table's scroll edge."""
+        order = sorted(range(len(self._rows)), key=lambda i: self._rows[i].state == "finished")
+        if order == list(range(len(self._rows))):
+            return
+        self.layoutAboutToBeChanged.emit()
+        moved = {old: new for new, old in enumerate(order)}
+        persistent = self.persistentIndexList()
+        self._rows = [self._rows[i] for i in order]
+        self.changePersistentIndexList(
+            persistent,
+            [self.index(moved[ix.row()], ix.column()) for ix in persistent],
+        )
+        self.layoutChanged.emit()
 
     def refresh_colors(self) -> None:
         """Chat colours can change (a conversation registered later): redraw the swatches."""
