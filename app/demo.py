@@ -15,7 +15,7 @@ from typing import Any
 
 from PySide6.QtWidgets import QApplication
 
-from app.records import ChatSettings, SamplingSettings
+from app.core.records import ChatSettings, SamplingSettings
 
 DEMO_MAX_TOKENS = 48
 DEMO_TIMEOUT_S = 900.0

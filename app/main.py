@@ -112,12 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     import qasync
     from PySide6.QtWidgets import QApplication
 
-    from app import secrets
-    from app.app_settings import AppSettings
+    from app.core import secrets
+    from app.core.app_settings import AppSettings
+    from app.core.store import Store
     from app.engine_bridge import EngineBridge
     from app.main_window import MainWindow
     from app.resources import app_icon
-    from app.store import Store
     from app.theme import theme_manager
 
     _quiet_offscreen_warnings()

@@ -33,12 +33,13 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import icons, secrets
-from app.app_settings import AppSettings
+from app import icons
 from app.chat.input_box import InputBox
 from app.chat.pane import ChatPane
 from app.chat.session import ChatSession, SessionManager
-from app.records import ChatSettings
+from app.core import secrets
+from app.core.app_settings import AppSettings
+from app.core.records import ChatSettings
 from app.settings_dialog import SettingsDialog
 from app.sidebar import Sidebar
 from app.theme import theme_manager

@@ -141,11 +141,11 @@ def open_window(engine: object) -> None:
     import qasync
     from PySide6.QtWidgets import QApplication
 
-    from app.app_settings import AppSettings
+    from app.core.app_settings import AppSettings
+    from app.core.store import Store
     from app.engine_bridge import EngineBridge
     from app.main_window import MainWindow
     from app.resources import app_icon
-    from app.store import Store
     from app.theme import theme_manager
 
     app = QApplication.instance() or QApplication(sys.argv[:1])

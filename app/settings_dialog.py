@@ -1,6 +1,6 @@
 """Preferences: model, KV pool, defaults for new chats, theme, and the Hugging Face token.
 
-The token field writes only to the OS keychain (app/secrets.py); it is never kept in the
+The token field writes only to the OS keychain (app/core/secrets.py); it is never kept in the
 settings database. Every value is checked before the dialog closes (a missing model folder, a
 malformed repo id, bad sampling values), with the problem shown in the dialog.
 """
@@ -27,9 +27,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import secrets
-from app.app_settings import BLOCK_SIZES, AppSettings
 from app.chat.chat_settings_dialog import SamplingForm, sampling_error
+from app.core import secrets
+from app.core.app_settings import BLOCK_SIZES, AppSettings
 
 
 class SettingsDialog(QDialog):

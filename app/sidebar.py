@@ -47,7 +47,7 @@ from PySide6.QtWidgets import (
 )
 
 from app import colors, icons
-from app.records import Conversation
+from app.core.records import Conversation
 
 ConvIdRole = Qt.ItemDataRole.UserRole + 1
 UpdatedRole = Qt.ItemDataRole.UserRole + 2

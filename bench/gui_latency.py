@@ -41,10 +41,10 @@ def percentile(values: list[float], q: float) -> float:
 async def run(args: argparse.Namespace) -> dict:
     from PySide6.QtCore import Qt, QTimer
 
+    from app.core.records import ChatSettings, SamplingSettings
+    from app.core.store import Store
     from app.engine_bridge import EngineBridge
     from app.main_window import MainWindow
-    from app.records import ChatSettings, SamplingSettings
-    from app.store import Store
     from engine import EngineConfig
 
     data = Path(tempfile.mkdtemp(prefix="pagedchat-bench-"))

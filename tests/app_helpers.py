@@ -6,11 +6,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from app.app_settings import AppSettings
+from app.core.app_settings import AppSettings
+from app.core.records import ChatSettings, SamplingSettings, Status
+from app.core.store import Store
 from app.engine_bridge import EngineBridge
 from app.main_window import MainWindow
-from app.records import ChatSettings, SamplingSettings, Status
-from app.store import Store
 
 WAIT_MS = int(os.environ.get("PAGEDCHAT_TEST_WAIT_MS", "240000"))  # CI machines are slow
 

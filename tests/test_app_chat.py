@@ -12,7 +12,7 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 
-from app.records import Message, Status
+from app.core.records import Message, Status
 from tests.app_helpers import WAIT_MS, greedy, last_reply, open_window, wait_idle
 
 pytestmark = pytest.mark.model

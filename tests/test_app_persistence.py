@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from app.app_settings import AppSettings
-from app.records import Status
+from app.core.app_settings import AppSettings
+from app.core.records import Status
 from tests.app_helpers import WAIT_MS, greedy, last_reply, open_window, wait_idle
 
 pytestmark = pytest.mark.model
@@ -164,7 +164,7 @@ def test_settings_persist_and_the_token_goes_only_to_the_keychain(
 ):
     import keyring
 
-    from app import secrets
+    from app.core import secrets
     from app.settings_dialog import SettingsDialog
 
     h = open_window(qtbot, app_env, app_engine)
@@ -204,10 +204,10 @@ def test_settings_persist_and_the_token_goes_only_to_the_keychain(
 
 
 def test_a_model_folder_that_does_not_exist(qtbot, qasync_loop, app_env, app_engine, tmp_path):
+    from app.core.store import Store
     from app.engine_bridge import EngineBridge
     from app.main_window import MainWindow
     from app.settings_dialog import SettingsDialog
-    from app.store import Store
     from engine import EngineConfig
 
     # in the settings dialog: refused with a message, nothing changes
@@ -252,10 +252,10 @@ def test_a_model_folder_that_does_not_exist(qtbot, qasync_loop, app_env, app_eng
 
 
 def test_changing_the_pool_restarts_the_engine_and_chats_survive(qtbot, qasync_loop, app_env):
-    from app.app_settings import AppSettings
+    from app.core.app_settings import AppSettings
+    from app.core.store import Store
     from app.engine_bridge import EngineBridge
     from app.main_window import MainWindow
-    from app.store import Store
 
     store = Store(app_env)
     settings = AppSettings(kv_memory_mib=24.0)

@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from app.chat.markdown import StreamingRenderer, render_markdown, stable_split
-from app.chat.tree import MessageTree
+from app.core.records import ChatSettings, Message, SamplingSettings, Status
+from app.core.store import Store
+from app.core.tree import MessageTree
 from app.display import no_display_problem
-from app.records import ChatSettings, Message, SamplingSettings, Status
-from app.store import Store
 
 
 def _msg(conv: str, mid: str, parent: str | None, role: str = "user", text: str = "x") -> Message:
@@ -165,7 +165,7 @@ def test_throttle_caps_render_rate(qapp, qtbot):
     [("default", "default"), ("/no/such/dir", "folder"), ("mlx-community/Qwen3-0.6B-4bit", "hf")],
 )
 def test_model_spec_parsing(spec, kind):
-    from app.app_settings import AppSettings
+    from app.core.app_settings import AppSettings
 
     s = AppSettings()
     s.set_model_spec(spec)

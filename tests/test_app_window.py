@@ -6,9 +6,9 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QAbstractButton, QWidget
 
+from app.core.store import Store
 from app.engine_bridge import EngineBridge
 from app.main_window import MAX_PANES, MainWindow
-from app.store import Store
 from app.theme import theme_manager
 
 

@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.records import ChatSettings, SamplingSettings
+from app.core.records import ChatSettings, SamplingSettings
 
 
 class SamplingForm(QWidget):

@@ -24,7 +24,7 @@ from PySide6.QtWidgets import QListView, QStyle, QStyledItemDelegate, QStyleOpti
 
 from app import colors, icons
 from app.chat.message_model import ChatMessageModel, RenderEntry, status_text
-from app.records import Message, Status
+from app.core.records import Message, Status
 
 H_PAD = 18
 TOP_PAD = 10

@@ -26,8 +26,8 @@ from app.chat.markdown import (
 )
 from app.chat.session import ChatSession
 from app.chat.throttle import RenderThrottle, shared_throttle
+from app.core.records import Message, Status
 from app.qt_util import disconnect
-from app.records import Message, Status
 from app.theme import theme_manager
 
 MessageRole = Qt.ItemDataRole.UserRole + 1

@@ -24,8 +24,8 @@ from PySide6.QtWidgets import QAbstractItemView, QListView, QMenu, QToolTip, QWi
 from app.chat.delegate import ACTION_TIPS, MessageDelegate, RowGeometry
 from app.chat.markdown import COPY_SCHEME
 from app.chat.message_model import ChatMessageModel
+from app.core.records import Status
 from app.qt_util import disconnect
-from app.records import Status
 
 
 class MessageListView(QListView):

@@ -29,8 +29,8 @@ from app.chat.input_box import InputBox
 from app.chat.message_model import ChatMessageModel
 from app.chat.message_view import MessageListView
 from app.chat.session import ChatSession
+from app.core.records import Status
 from app.qt_util import disconnect
-from app.records import Status
 
 NOTICE_MS = 8000
 

@@ -12,48 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app import colors
-from app.chat.tree import MessageTree
-from app.records import ChatSettings, Conversation, Message, Status, new_id
+from app.core.records import ChatSettings, Conversation, Message, Status, new_id
+from app.core.session_logic import (
+    DEFAULT_TITLE,
+    branch_copies,
+    copy_settings,
+    prompt_messages,
+    status_for,
+    title_from,
+    usage_dict,
+)
+from app.core.tree import MessageTree
 
 SAVE_INTERVAL_MS = 1000
-TITLE_LENGTH = 48
-DEFAULT_TITLE = "New Chat"
-
-
-def _status_for(reason: Any, quitting: bool) -> str:
-    value = getattr(reason, "value", reason)
-    if value == "stop":
-        return Status.COMPLETE
-    if value == "length":
-        return Status.LENGTH
-    if value == "cancelled":
-        return Status.INTERRUPTED if quitting else Status.STOPPED
-    return Status.ERROR
-
-
-def _usage_dict(usage: Any) -> dict[str, Any]:
-    if usage is None:
-        return {}
-    keys = (
-        "prompt_tokens",
-        "cached_prompt_tokens",
-        "generated_tokens",
-        "time_to_first_token_s",
-        "total_time_s",
-        "decode_tokens_per_s",
-    )
-    return {k: getattr(usage, k, None) for k in keys}
-
-
-def title_from(text: str) -> str:
-    line = " ".join(text.strip().split())
-    return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
 
 
 class ChatSession(QObject):
@@ -198,14 +174,7 @@ class ChatSession(QObject):
 
     def prompt_messages(self, upto: str | None) -> list[dict[str, str]]:
         """What the engine sees for a reply below `upto`: system prompt + that path."""
-        out: list[dict[str, str]] = []
-        if self.settings.system_prompt.strip():
-            out.append({"role": "system", "content": self.settings.system_prompt})
-        for m in self.tree.path_to(upto):
-            if m.role == "assistant" and (m.status == Status.ERROR or not m.content):
-                continue  # a failed or empty reply carries nothing for the model
-            out.append({"role": m.role, "content": m.content})
-        return out
+        return prompt_messages(self.settings.system_prompt, self.tree.path_to(upto))
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -292,10 +261,10 @@ class ChatSession(QObject):
             return
         msg = self.tree.get(ids[index])
         ids[index] = None  # type: ignore[call-overload]
-        status = _status_for(event.finish_reason, self._quitting)
+        status = status_for(event.finish_reason, self._quitting)
         text = event.text if (event.text or status != Status.ERROR) else None
         meta: dict[str, Any] = {"finish_reason": getattr(event.finish_reason, "value", "")}
-        usage = _usage_dict(event.usage)
+        usage = usage_dict(event.usage)
         if usage:
             meta["usage"] = usage
             if index == 0:
@@ -401,7 +370,8 @@ class SessionManager(QObject):
     def create(
         self, title: str = DEFAULT_TITLE, settings: ChatSettings | None = None
     ) -> ChatSession:
-        conv = self.store.create_conversation(title, settings or _copy(self.default_settings))
+        settings = settings or copy_settings(self.default_settings)
+        conv = self.store.create_conversation(title, settings)
         session = self._adopt(conv)
         self.conversationsChanged.emit()
         return session
@@ -442,29 +412,9 @@ class SessionManager(QObject):
         """A new chat holding a copy of the path up to `message_id` (inclusive)."""
         path = session.tree.path_to(message_id)
         conv = self.store.create_conversation(
-            title_from(f"Branch of {session.title}"), _copy(session.settings)
+            title_from(f"Branch of {session.title}"), copy_settings(session.settings)
         )
-        mapping: dict[str, str] = {}
-        copies = []
-        for m in path:
-            nid = new_id()
-            copies.append(
-                Message(
-                    id=nid,
-                    conversation_id=conv.id,
-                    parent_id=mapping.get(m.parent_id) if m.parent_id else None,
-                    role=m.role,
-                    content=m.content,
-                    status=Status.INTERRUPTED if m.status in Status.LIVE else m.status,
-                    created=time.time(),
-                    meta={k: v for k, v in m.meta.items() if k != "branch_of"},
-                )
-            )
-            mapping[m.id] = nid
-        if copies:
-            copies[-1].meta["branch_of"] = {"conversation": session.id, "message": message_id}
-            for parent, child in zip(copies, copies[1:], strict=False):
-                parent.active_child = child.id
+        copies = branch_copies(path, conv.id, session.id, message_id)
         self.store.add_messages(copies)
         leaf = copies[-1].id if copies else None
         self.store.set_active_leaf(conv.id, leaf)
@@ -496,6 +446,3 @@ class SessionManager(QObject):
         for s in self.sessions.values():
             s.refresh_context()
 
-
-def _copy(settings: ChatSettings) -> ChatSettings:
-    return ChatSettings.from_dict(settings.to_dict())

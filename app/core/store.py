@@ -25,7 +25,7 @@ from typing import Any
 from app.core import schema
 from app.core.db_recovery import Recovery, StoreOpenError, open_checked
 from app.core.db_writer import SaveState, WriteBehind
-from app.records import ChatSettings, Conversation, Message, Status, new_id
+from app.core.records import ChatSettings, Conversation, Message, Status, new_id
 
 __all__ = ["DB_NAME", "Recovery", "SaveState", "Store", "StoreOpenError", "clean_text"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from app.records import Message
+from app.core.records import Message
 
 
 class MessageTree:

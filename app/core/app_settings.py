@@ -1,7 +1,7 @@
 """Application-wide settings (model, KV budget, defaults, theme), stored in the app database.
 
 Kept as one small dataclass so the settings dialog, the command line and the engine restart
-logic agree on what "the model" is. Secrets are not here: see app/secrets.py.
+logic agree on what "the model" is. Secrets are not here: see app/core/secrets.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.records import SamplingSettings
+from app.core.records import SamplingSettings
 
 SETTINGS_KEY = "app_settings"
 MODEL_KINDS = ("default", "folder", "hf")
