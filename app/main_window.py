@@ -42,6 +42,7 @@ from app.core.app_settings import AppSettings
 from app.core.records import ChatSettings
 from app.settings_dialog import SettingsDialog
 from app.sidebar import Sidebar
+from app.storage_banner import attach_storage_banner
 from app.theme import theme_manager
 
 MAX_PANES = 4
@@ -171,6 +172,7 @@ class MainWindow(QMainWindow):
         self._closed = False
         self.setUnifiedTitleAndToolBarOnMac(True)
         self._build()
+        self.storage_banner = attach_storage_banner(self)  # save faults, recovered database
         self._build_actions()
         self._build_menus()
         self._build_toolbar()
