@@ -111,6 +111,11 @@ def open_checked(path: Path) -> tuple[sqlite3.Connection, Recovery | None]:
                 f"The chat database {path} cannot be used: {exc}. Run the newer PagedChat, "
                 "or move the file away to start with an empty one."
             ) from exc
+        except schema.MigrationError as exc:
+            raise StoreOpenError(
+                f"The chat database {path} could not be upgraded ({exc}); it was left "
+                "unchanged. Please report this."
+            ) from exc
         except schema.SchemaError as exc:
             reason = f"its tables are not PagedChat's: {exc}"
         except sqlite3.DatabaseError as exc:
@@ -169,13 +174,15 @@ def _read_table(db: sqlite3.Connection, table: str) -> tuple[dict[int, dict[str,
     """{rowid: row} of every readable row, and whether some could not be read."""
     rows: dict[int, dict[str, Any]] = {}
     try:
-        cur = db.execute(f"SELECT rowid AS _rid, * FROM {table}")
-        names = [d[0] for d in cur.description]
-    except sqlite3.DatabaseError as exc:
-        return rows, "no such table" not in str(exc)
+        names = [r[1] for r in db.execute(f"PRAGMA table_info({table})")]
+    except sqlite3.DatabaseError:
+        return rows, True  # the schema itself is unreadable
+    if not names:
+        return rows, False  # no such table in this file
+    select = f"SELECT rowid, {', '.join(names)} FROM {table}"
     try:
-        for r in cur:
-            rows[r[0]] = dict(zip(names[1:], tuple(r)[1:], strict=True))
+        for r in db.execute(select):
+            rows[r[0]] = dict(zip(names, tuple(r)[1:], strict=True))
         return rows, False
     except sqlite3.DatabaseError:
         pass
@@ -189,12 +196,11 @@ def _read_table(db: sqlite3.Connection, table: str) -> tuple[dict[int, dict[str,
         if rid in rows:
             continue
         try:
-            r = db.execute(f"SELECT rowid AS _rid, * FROM {table} WHERE rowid=?", (rid,))
-            found = r.fetchone()
+            found = db.execute(f"{select} WHERE rowid=?", (rid,)).fetchone()
         except sqlite3.DatabaseError:
             continue
         if found is not None:
-            rows[rid] = dict(zip(names[1:], tuple(found)[1:], strict=True))
+            rows[rid] = dict(zip(names, tuple(found)[1:], strict=True))
     return rows, True
 
 
@@ -222,6 +228,18 @@ def _fill(table: str, row: dict[str, Any], now: float) -> dict[str, Any] | None:
     return out
 
 
+_MAGIC = b"SQLite format 3\x00"
+
+
+def _restore_magic(path: Path) -> None:
+    """A garbled first 16 bytes make SQLite refuse the whole file; they are a constant."""
+    with open(path, "r+b") as f:
+        head = f.read(len(_MAGIC))
+        if len(head) == len(_MAGIC) and head != _MAGIC:
+            f.seek(0)
+            f.write(_MAGIC)
+
+
 def salvage(source: Path, fresh: sqlite3.Connection) -> tuple[dict[str, int], bool]:
     """Copy every readable row of `source` into `fresh`; the kept copy is never modified."""
     with tempfile.TemporaryDirectory(prefix="pagedchat-salvage-") as tmp:
@@ -229,7 +247,12 @@ def salvage(source: Path, fresh: sqlite3.Connection) -> tuple[dict[str, int], bo
         shutil.copyfile(source, copy)
         if Path(f"{source}-wal").is_file():
             shutil.copyfile(f"{source}-wal", f"{copy}-wal")
+        _restore_magic(copy)
         src = sqlite3.connect(str(copy), isolation_level=None)
+        # A truncated file is shorter than its header says: SQLite refuses it unless the
+        # schema is "writable", then reads what is there (only this scratch copy is opened).
+        src.execute("PRAGMA writable_schema=ON")
+        src.execute("PRAGMA cell_size_check=ON")
         try:
             return _salvage_into(src, fresh)
         finally:

@@ -19,6 +19,10 @@ class SchemaError(RuntimeError):
     """The file holds tables that are not (or no longer) PagedChat's: salvage, don't trust."""
 
 
+class MigrationError(RuntimeError):
+    """A migration step failed; the transaction was rolled back, the file is as it was."""
+
+
 class NewerSchemaError(RuntimeError):
     """The file was written by a newer PagedChat; this version must not touch it."""
 
@@ -105,8 +109,8 @@ def check_columns(db: sqlite3.Connection) -> None:
 def migrate(db: sqlite3.Connection) -> int:
     """Bring `db` (autocommit connection) to the current version; returns the version found.
 
-    Raises NewerSchemaError for a file from a newer app, SchemaError when the tables do not
-    match what their version promises (sqlite3 errors pass through).
+    Raises NewerSchemaError for a file from a newer app, MigrationError when a step fails
+    (nothing changed), SchemaError when the tables do not match what their version promises.
     """
     found = user_version(db)
     target = schema_version()
@@ -120,12 +124,18 @@ def migrate(db: sqlite3.Connection) -> int:
         return found
     db.execute("BEGIN IMMEDIATE")
     try:
-        for step in MIGRATIONS[found:]:
-            step(db)
+        for version, step in enumerate(MIGRATIONS[found:], start=found):
+            try:
+                step(db)
+            except sqlite3.Error as exc:
+                raise MigrationError(
+                    f"the step from schema version {version} to {version + 1} failed: {exc}"
+                ) from exc
         check_columns(db)
         db.execute(f"PRAGMA user_version={target}")
         db.execute("COMMIT")
     except BaseException:
-        db.execute("ROLLBACK")
+        if db.in_transaction:
+            db.execute("ROLLBACK")
         raise
     return found

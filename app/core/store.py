@@ -58,7 +58,7 @@ def _clean(args: Iterable[Any]) -> tuple[Any, ...]:
 
 
 def _json(value: Any) -> str:
-    return clean_text(json.dumps(value))
+    return clean_text(json.dumps(value, ensure_ascii=False))
 
 
 def _like_pattern(text: str) -> str:
