@@ -50,7 +50,12 @@ class SingleInstance(QObject):
         return f"the data folder {self.data_dir} is not writable (its lock file cannot be created)"
 
     def holder(self) -> str:
-        ok, pid, host, _app = self._lock.getLockInfo()
+        info = self._lock.getLockInfo()  # PySide6 gives (pid, host, app); C++ adds an ok flag
+        if len(info) == 4:
+            ok, pid, host = info[0], info[1], info[2]
+        else:
+            pid, host = info[0], info[1]
+            ok = bool(pid)
         return f"process {pid} on {host}" if ok else "another process"
 
     def ask_running_instance(self) -> bool:

@@ -118,3 +118,158 @@ def read_messages(data_dir: Path) -> dict[str, tuple[str, str | None, str]]:
         return {r[0]: (r[1], r[2], r[3]) for r in rows}
     finally:
         con.close()
+
+
+# ---- faults made by real second processes and real full disks -----------------------------
+
+import contextlib  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_HOLD_WRITE_LOCK = """
+import sqlite3, sys
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("BEGIN IMMEDIATE")  # the write lock, held until told (or the parent is gone)
+print("locked", flush=True)
+sys.stdin.readline()
+con.execute("ROLLBACK")
+"""
+
+
+@contextlib.contextmanager
+def locked_by_another_process(db: Path) -> Iterator[subprocess.Popen]:
+    """A second process holding SQLite's write lock on `db` for the duration."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_WRITE_LOCK, str(db)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+        yield proc
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()  # its readline returns: it rolls back and exits
+        proc.wait(timeout=60)
+
+
+class TinyDisk:
+    """A data folder on a disk that can be filled up and emptied again.
+
+    A 16 MiB tmpfs when this process may mount one (root on Linux): filling it makes writes
+    fail with ENOSPC, SQLite's "database or disk is full". Elsewhere the process's own file
+    size limit (RLIMIT_FSIZE) is lowered to the current size of the files, which makes any
+    file growth fail (EFBIG, SQLite's I/O error); raising it again is the disk freeing up.
+    """
+
+    def __init__(self, base: Path) -> None:
+        self.path = base / "tiny"
+        self.path.mkdir()
+        self.mounted = False
+        self._limit: tuple[int, int] | None = None
+        if sys.platform.startswith("linux") and os.geteuid() == 0 and shutil.which("mount"):
+            run = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(self.path)],
+                capture_output=True,
+            )
+            self.mounted = run.returncode == 0
+        self.data = self.path / "data"
+        self.data.mkdir()
+
+    def fill(self) -> None:
+        if self.mounted:
+            with open(self.path / "filler", "wb") as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            with open(self.path / "filler", "ab") as f, contextlib.suppress(OSError):
+                for _ in range(4096):
+                    f.write(b"\0" * 512)
+                    f.flush()
+        else:
+            self._limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+            biggest = max((p.stat().st_size for p in self.data.iterdir()), default=0)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (biggest + 4096, self._limit[1]))
+
+    def free(self) -> None:
+        if self.mounted:
+            (self.path / "filler").unlink(missing_ok=True)
+        elif self._limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, self._limit)
+            self._limit = None
+
+    def close(self) -> None:
+        self.free()
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+
+
+@contextlib.contextmanager
+def read_only_folder(base: Path) -> Iterator[Path]:
+    """A folder nothing can be written to: a read-only tmpfs as root, else chmod 555."""
+    folder = base / "ro"
+    folder.mkdir()
+    mounted = False
+    if sys.platform.startswith("linux") and os.geteuid() == 0 and shutil.which("mount"):
+        mounted = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(folder)],
+                capture_output=True,
+            ).returncode
+            == 0
+        )
+    data = folder / "data"
+    data.mkdir()
+    populate(data, chats=2, per_chat=4)
+
+    def protect() -> None:
+        if mounted:
+            subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        else:
+            data.chmod(0o555)
+
+    try:
+        protect()
+        yield data
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+        else:
+            data.chmod(0o755)
+
+
+class LatenessProbe:
+    """How late the GUI thread runs a 10 ms timer: the stall a user would feel, in ms."""
+
+    def __init__(self, interval_ms: int = 10) -> None:
+        from PySide6.QtCore import Qt, QTimer
+
+        self.interval_ms = interval_ms
+        self.timer = QTimer()
+        self.timer.setTimerType(Qt.TimerType.PreciseTimer)
+        self.timer.setInterval(interval_ms)
+        self.timer.timeout.connect(self._tick)
+        self.worst_ms = 0.0
+        self.ticks = 0
+        self._last: float | None = None
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.worst_ms = max(self.worst_ms, (now - self._last) * 1000 - self.interval_ms)
+        self._last = now
+        self.ticks += 1
+
+    def __enter__(self) -> LatenessProbe:
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.timer.stop()

@@ -39,6 +39,18 @@ class StoreOpenError(RuntimeError):
     """The database cannot be opened; str() is a complete sentence for the user."""
 
 
+def folder_problem(folder: Path) -> str | None:
+    """Why nothing can be written in `folder` (read-only mount, no permission), if so."""
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return "the data folder is on a read-only disk"
+    except OSError:
+        pass
+    if not os.access(folder, os.W_OK):
+        return "the data folder is read-only for this user"
+    return None
+
+
 def describe_error(exc: BaseException) -> str | None:
     """A short user-facing cause for an SQLite error that is about access, not damage."""
     code = getattr(exc, "sqlite_errorcode", None)
@@ -121,6 +133,7 @@ def open_checked(path: Path) -> tuple[sqlite3.Connection, Recovery | None]:
         except sqlite3.DatabaseError as exc:
             cause = describe_error(exc)
             if cause is not None:
+                cause = folder_problem(path.parent) or cause
                 raise StoreOpenError(
                     f"The chat database {path} cannot be opened: {cause} ({exc})."
                 ) from exc
