@@ -1,8 +1,9 @@
 """Preferences: model, KV pool, defaults for new chats, theme, and the Hugging Face token.
 
-The token field writes only to the OS keychain (app/core/secrets.py); it is never kept in the
-settings database. Every value is checked before the dialog closes (a missing model folder, a
-malformed repo id, bad sampling values), with the problem shown in the dialog.
+The token field writes only to a secure OS keychain, or with none to memory for this run
+(app/core/secrets.py); it is never kept in the settings database. Every value is checked
+before the dialog closes (a missing model folder, a malformed repo id, bad sampling values),
+with the problem shown in the dialog.
 """
 
 from __future__ import annotations
@@ -106,8 +107,10 @@ class SettingsDialog(QDialog):
         self.token_edit.setAccessibleName("Hugging Face token")
         self.token_edit.setPlaceholderText("hf_… (only for gated or private repos)")
         t.addRow("&Token:", self.token_edit)
-        note = QLabel(f"Stored only in the system keychain ({secrets.backend_name()}).")
+        note = QLabel(secrets.storage_note())  # says so when there is no secure keychain
         note.setObjectName("hint")
+        note.setAccessibleName("Where the token is kept")
+        self.token_note = note
         t.addRow(note)
         v.addWidget(token_box)
 

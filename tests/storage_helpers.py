@@ -185,14 +185,14 @@ class TinyDisk:
 
     def fill(self) -> None:
         if self.mounted:
-            with open(self.path / "filler", "wb") as f, contextlib.suppress(OSError):
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-            with open(self.path / "filler", "ab") as f, contextlib.suppress(OSError):
-                for _ in range(4096):
-                    f.write(b"\0" * 512)
-                    f.flush()
+            fd = os.open(self.path / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            try:
+                for chunk in (1 << 16, 1 << 12, 1 << 9, 1):  # until not one byte more fits
+                    with contextlib.suppress(OSError):
+                        while True:
+                            os.write(fd, b"\0" * chunk)
+            finally:
+                os.close(fd)
         else:
             self._limit = resource.getrlimit(resource.RLIMIT_FSIZE)
             biggest = max((p.stat().st_size for p in self.data.iterdir()), default=0)
