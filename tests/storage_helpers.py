@@ -268,6 +268,7 @@ class LatenessProbe:
         self.ticks += 1
 
     def __enter__(self) -> LatenessProbe:
+        self._last = time.perf_counter()  # a stall before the first tick counts too
         self.timer.start()
         return self
 

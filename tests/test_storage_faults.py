@@ -269,11 +269,12 @@ def _stream_into(qtbot, store: Store, conv_id: str, seconds: float) -> str:
 
     reply = Message(id="r", conversation_id=conv_id, parent_id=None, role="assistant",
                     content="", status=Status.STREAMING)
-    store.add_message(reply)
     timer = QTimer()
     timer.setInterval(20)
 
-    def grow() -> None:
+    def grow() -> None:  # every write happens inside the event loop, as in the app
+        if not reply.content:
+            store.add_message(reply)
         reply.content += "token "
         store.update_message("r", content=reply.content)
 
