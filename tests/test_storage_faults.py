@@ -336,6 +336,28 @@ def gil_shared():
     sys.setswitchinterval(before)
 
 
+@pytest.fixture
+def windows(qtbot, qasync_loop, app_engine):
+    """Opens real windows on the shared engine; any a failed test left open is closed, so
+    its panes cannot fire into the next test."""
+    opened = []
+
+    def open_(data_dir: Path):
+        h = open_window(qtbot, data_dir, app_engine)
+        opened.append(h)
+        return h
+
+    yield open_
+    for h in opened:
+        if not getattr(h, "closed", False):
+            _close(h)
+
+
+def _close(h) -> None:
+    h.closed = True
+    h.close()
+
+
 def _type_and_send(qtbot, pane, text: str) -> None:
     pane.input.setFocus()
     qtbot.keyClicks(pane.input, text)
@@ -356,9 +378,9 @@ def _saved_path(data_dir: Path, conversation_id: str) -> list[tuple[str, str, st
 
 @model
 def test_window_while_another_process_holds_the_lock(
-    qtbot, qasync_loop, app_env, app_engine, gil_shared, capfd
+    qtbot, windows, app_env, gil_shared, capfd
 ):
-    h = open_window(qtbot, app_env, app_engine)
+    h = windows(app_env)
     pane = h.window.focused_pane
     pane.session.set_settings(greedy(24))
     banner = h.window.storage_banner
@@ -377,7 +399,7 @@ def test_window_while_another_process_holds_the_lock(
     assert reply.status in (Status.COMPLETE, Status.LENGTH) and reply.content
     qtbot.waitUntil(lambda: not banner.isVisible(), timeout=WAIT_MS)  # saved again
     conv_id = pane.session.id
-    h.close()
+    _close(h)
     saved = _saved_path(app_env, conv_id)
     assert saved == [
         ("user", "Name three colours.", Status.COMPLETE),
@@ -387,10 +409,10 @@ def test_window_while_another_process_holds_the_lock(
 
 
 @model
-def test_window_while_the_disk_is_full(qtbot, qasync_loop, tmp_path, app_engine, gil_shared, capfd):
+def test_window_while_the_disk_is_full(qtbot, windows, tmp_path, gil_shared, capfd):
     disk = TinyDisk(tmp_path)
     try:
-        h = open_window(qtbot, disk.data, app_engine)
+        h = windows(disk.data)
         pane = h.window.focused_pane
         pane.session.set_settings(greedy(24))
         banner = h.window.storage_banner
@@ -410,7 +432,7 @@ def test_window_while_the_disk_is_full(qtbot, qasync_loop, tmp_path, app_engine,
         qtbot.mouseClick(banner.retry, Qt.MouseButton.LeftButton)  # the user retries
         qtbot.waitUntil(lambda: not banner.isVisible(), timeout=WAIT_MS)
         conv_id = pane.session.id
-        h.close()
+        _close(h)
         assert _saved_path(disk.data, conv_id) == [
             ("user", "Say something about the sea.", Status.COMPLETE),
             ("assistant", reply.content, reply.status),
@@ -452,11 +474,11 @@ def _folder(data: Path, expected: dict) -> set[str]:
 @model
 @pytest.mark.parametrize("damage", [_garbled, _truncated, _zero_bytes, _folder])
 def test_window_opens_on_a_damaged_database_and_says_where_the_copy_is(
-    qtbot, qasync_loop, app_env, app_engine, damage
+    qtbot, windows, app_env, damage
 ):
     expected = populate(app_env)
     readable = damage(app_env, expected)
-    h = open_window(qtbot, app_env, app_engine)
+    h = windows(app_env)
     banner = h.window.storage_banner
     recovery = h.store.recovery
     assert recovery is not None and recovery.moved_to.exists()
@@ -469,18 +491,16 @@ def test_window_opens_on_a_damaged_database_and_says_where_the_copy_is(
     assert chats <= set(h.window.sidebar.visible_ids())  # and its chat is listed
     qtbot.mouseClick(banner.dismiss, Qt.MouseButton.LeftButton)
     assert not banner.isVisible()
-    h.close()
+    _close(h)
 
 
 @model
-def test_a_second_launch_brings_the_first_window_forward(
-    qtbot, qasync_loop, app_env, app_engine
-):
+def test_a_second_launch_brings_the_first_window_forward(qtbot, windows, app_env):
     from app.single_instance import SingleInstance, bring_to_front
 
     guard = SingleInstance(app_env)
     assert guard.acquire() is None
-    h = open_window(qtbot, app_env, app_engine)
+    h = windows(app_env)
     guard.activationRequested.connect(lambda: bring_to_front(h.window))
     try:
         pane = h.window.focused_pane
@@ -514,7 +534,7 @@ def test_a_second_launch_brings_the_first_window_forward(
         pane.session.stop()
         wait_idle(qtbot, pane)
     finally:
-        h.close()
+        _close(h)
         guard.release()
     assert h.store.save_state.ok
 

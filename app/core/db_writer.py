@@ -1,13 +1,14 @@
 """Writes that never stall the caller and never lose data while the disk misbehaves.
 
-A write is first tried at once on the caller's connection with a short busy timeout (a few
-hundred microseconds normally; at most `FIRST_TRY_BUSY_MS` when another program holds the
-write lock). If it fails for a reason that can pass (database locked, disk full, read-only
-folder, I/O error), it and every later write join an in-memory backlog, in order, and a
-retry thread with its own connection replays the backlog until it succeeds. Listeners hear
-when saving stops working and when it works again (from the retry thread: a Qt listener
-must re-emit through a signal). Errors that retrying cannot fix (a constraint broken by a
-bug) are raised to the caller as before.
+A write is first tried at once on the caller's connection (a few hundred microseconds), with
+no busy wait at all: if another program holds the write lock the attempt fails at once rather
+than sleeping on the GUI thread (the retry thread is the only other writer of this process,
+and it never writes while the caller does). If it fails for a reason that can pass (database
+locked, disk full, read-only folder, I/O error), it and every later write join an in-memory
+backlog, in order, and a retry thread with its own connection replays the backlog until it
+succeeds. Listeners hear when saving stops working and when it works again (from the retry
+thread: a Qt listener must re-emit through a signal). Errors that retrying cannot fix (a
+constraint broken by a bug) are raised to the caller as before.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from app.core.db_recovery import describe_error
 
 log = logging.getLogger(__name__)
 
-FIRST_TRY_BUSY_MS = 25  # the most a write may wait for another program's lock on the caller
+FIRST_TRY_BUSY_MS = 0  # the caller never sleeps on another program's lock
 RETRY_BUSY_MS = 1000  # the retry thread may wait longer: nobody waits on it
 RETRY_DELAYS_S = (0.1, 0.25, 0.5, 1.0, 2.0)  # back-off between retries of the backlog
 

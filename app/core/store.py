@@ -2,7 +2,7 @@
 
 One file (`pagedchat.sqlite3`) in the app-data folder, in WAL mode with synchronous=NORMAL: each
 statement commits on its own, so a killed process loses nothing that was written. Writes take a
-few hundred microseconds and are tried at once on the GUI thread with a 25 ms busy timeout; when
+few hundred microseconds and are tried at once on the GUI thread, never waiting on a lock; when
 the disk misbehaves (another program holds the lock, the disk is full, the folder turned
 read-only) they are held in memory, in order, and replayed by a retry thread (app/core/db_writer)
 while listeners tell the user; nothing is lost unless the app quits before the fault passes.
