@@ -10,6 +10,7 @@ case "${1:-run}" in
     test)
         shift
         .venv/bin/ruff check .
+        .venv/bin/lint-imports --no-logo  # the layer contracts in pyproject.toml
         exec .venv/bin/python -m pytest "$@"
         ;;
     bench)

@@ -15,7 +15,8 @@ from typing import Any
 
 from PySide6.QtWidgets import QApplication
 
-from app.core.records import ChatSettings, SamplingSettings
+from app.core.records import ChatSettings
+from engine import EngineStatus, SamplingParams
 
 DEMO_MAX_TOKENS = 48
 DEMO_TIMEOUT_S = 900.0
@@ -54,7 +55,7 @@ def open_demo_panes(window: Any, max_tokens: int = DEMO_MAX_TOKENS) -> list[Any]
     for i, (title, system, _prompt) in enumerate(DEMO_CHATS):
         settings = ChatSettings(
             system_prompt=system,
-            sampling=SamplingSettings(temperature=0.0, max_tokens=max_tokens),
+            sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
         )
         session = window.manager.create(title, settings)
         first = i == 0 and len(window.panes) == 1 and not window.panes[0].session.active_path()
@@ -72,12 +73,12 @@ async def run_demo(window: Any, screenshot: str | None, max_tokens: int = DEMO_M
     log("waiting for the model and three replies…")
     ok = await _wait(
         lambda: (
-            bridge.status == "error"
-            or (bridge.status == "ready" and not any(p.session.busy for p in panes))
+            bridge.status == EngineStatus.ERROR
+            or (bridge.status == EngineStatus.READY and not any(p.session.busy for p in panes))
         ),
         DEMO_TIMEOUT_S,
     )
-    if bridge.status == "error":
+    if bridge.status == EngineStatus.ERROR:
         log(f"the model could not be loaded: {bridge.load_error}")
         return 1
     if not ok:

@@ -1,4 +1,5 @@
-"""Detect a machine with no display before Qt does (and prints its plugin error instead)."""
+"""Where windows go: detect a machine with no display before Qt does (and prints its plugin
+error instead), and keep the offscreen platform's noise off stderr."""
 
 from __future__ import annotations
 
@@ -22,3 +23,16 @@ def no_display_problem(
     if env.get("QT_QPA_PLATFORM") or env.get("DISPLAY") or env.get("WAYLAND_DISPLAY"):
         return None
     return MESSAGE
+
+
+def quiet_offscreen_warnings() -> None:
+    """The offscreen platform warns about window hints it cannot honour; that is noise."""
+    if os.environ.get("QT_QPA_PLATFORM") != "offscreen":
+        return
+    from PySide6.QtCore import qInstallMessageHandler
+
+    def handler(_mode: object, _context: object, message: str) -> None:
+        if "propagateSizeHints" not in message:
+            print(message, file=sys.stderr)
+
+    qInstallMessageHandler(handler)

@@ -21,10 +21,19 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from engine import Engine, EngineConfig, FinalEvent, FinishReason, SamplingParams, TokenEvent
+from engine import (
+    Engine,
+    EngineConfig,
+    EngineStatus,
+    FinalEvent,
+    FinishReason,
+    SamplingParams,
+    TokenEvent,
+)
 
 log = logging.getLogger(__name__)
 
+IDLE = "idle"  # the bridge's status before any engine was started; then an EngineStatus
 SNAPSHOT_INTERVAL_MS = 100  # 10 Hz is plenty for footers and the monitor (ARCHITECTURE 3.7)
 
 
@@ -36,7 +45,7 @@ class EngineBridge(QObject):
     `restart(config)` swaps it for a new one (changing model, KV budget or block size).
     """
 
-    statusChanged = Signal(str)  # "idle" | "loading" | "ready" | "error" | "stopped"
+    statusChanged = Signal(str)  # IDLE or an EngineStatus
     modelReady = Signal(object)  # engine.model_info
     loadFailed = Signal(str)  # one human-readable message
     tokenReceived = Signal(str, str, int, str)  # session_id, request_id, index, text delta
@@ -47,7 +56,7 @@ class EngineBridge(QObject):
         super().__init__(parent)
         self._engine: Engine | None = engine
         self._owns_engine = engine is None
-        self._status = "idle"
+        self._status = IDLE
         self._load_error: str | None = None
         self._model_info: Any = None
         self._config: EngineConfig | None = (
@@ -130,14 +139,14 @@ class EngineBridge(QObject):
         self._latest_snapshot = None
         self._timer.stop()
         if old is not None and self._owns_engine:
-            self._set_status("loading")
+            self._set_status(EngineStatus.LOADING)
             await asyncio.to_thread(old.stop)
         self._load_error = None
         self.start(config)
 
     def _watch(self, engine: Engine) -> None:
         self._load_error = None
-        self._set_status("loading")
+        self._set_status(EngineStatus.LOADING)
         self._spawn(self._wait_ready(engine))
 
     async def _wait_ready(self, engine: Engine) -> None:
@@ -145,14 +154,14 @@ class EngineBridge(QObject):
             ready = await asyncio.to_thread(engine.wait_ready, 0.25)
             if engine is not self._engine:
                 return  # replaced meanwhile
-            if ready or engine.status == "ready":
+            if ready or engine.status == EngineStatus.READY:
                 break
-            if engine.status in ("error", "stopped"):
+            if engine.status in (EngineStatus.ERROR, EngineStatus.STOPPED):
                 self._fail(engine.load_error or f"The engine {engine.status} while loading.")
                 return
         self._model_info = engine.model_info
         self._load_error = None
-        self._set_status("ready")
+        self._set_status(EngineStatus.READY)
         self._timer.start()
         self._poll()
         self.modelReady.emit(self._model_info)
@@ -163,7 +172,7 @@ class EngineBridge(QObject):
 
     def _fail(self, message: str) -> None:
         self._load_error = message
-        self._set_status("error")
+        self._set_status(EngineStatus.ERROR)
         self.loadFailed.emit(message)
 
     def shutdown(self) -> None:
@@ -173,7 +182,7 @@ class EngineBridge(QObject):
         engine, self._engine = self._engine, None
         if engine is not None and self._owns_engine:
             engine.stop()
-        self._set_status("stopped")
+        self._set_status(EngineStatus.STOPPED)
 
     async def shutdown_async(self) -> None:
         """Like shutdown(), with the engine thread joined off the GUI thread."""
@@ -182,7 +191,7 @@ class EngineBridge(QObject):
         engine, self._engine = self._engine, None
         if engine is not None and self._owns_engine:
             await asyncio.to_thread(engine.stop)
-        self._set_status("stopped")
+        self._set_status(EngineStatus.STOPPED)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -195,7 +204,7 @@ class EngineBridge(QObject):
         RuntimeError when no model is loaded, each with a message fit for the user.
         """
         engine = self._engine
-        if engine is None or self._status in ("error", "stopped", "idle"):
+        if engine is None or self._status in (EngineStatus.ERROR, EngineStatus.STOPPED, IDLE):
             reason = self._load_error or "the engine is not running"
             raise RuntimeError(f"No model is loaded: {reason}")
         handle = engine.submit(messages=messages, params=params, session_id=session_id)
@@ -237,7 +246,7 @@ class EngineBridge(QObject):
         """Cancel every request of a chat (used when it is deleted)."""
         for rid in self.active_requests(session_id):
             self.cancel(rid)
-        if self._engine is not None and self._status == "ready":
+        if self._engine is not None and self._status == EngineStatus.READY:
             with contextlib.suppress(Exception):
                 self._engine.cancel_session(session_id)
 
@@ -249,7 +258,7 @@ class EngineBridge(QObject):
     async def count_tokens(self, messages: list[dict[str, str]]) -> int | None:
         """Prompt tokens of `messages` after the chat template (None when unknown)."""
         engine = self._engine
-        if engine is None or self._status != "ready" or not messages:
+        if engine is None or self._status != EngineStatus.READY or not messages:
             return None
         try:
             return await asyncio.to_thread(engine.count_tokens, messages)
@@ -264,7 +273,8 @@ class EngineBridge(QObject):
         if engine is None:
             return
         status = engine.status
-        if status in ("error", "stopped") and self._status == "ready":
+        stopped = status in (EngineStatus.ERROR, EngineStatus.STOPPED)
+        if stopped and self._status == EngineStatus.READY:
             self._timer.stop()
             self._fail(engine.load_error or f"The engine {status}.")
             return

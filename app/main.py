@@ -76,19 +76,6 @@ def share_the_gil() -> None:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
 
-def _quiet_offscreen_warnings() -> None:
-    """The offscreen platform warns about window hints it cannot honour; that is noise."""
-    if os.environ.get("QT_QPA_PLATFORM") != "offscreen":
-        return
-    from PySide6.QtCore import qInstallMessageHandler
-
-    def handler(_mode: object, _context: object, message: str) -> None:
-        if "propagateSizeHints" not in message:
-            print(message, file=sys.stderr)
-
-    qInstallMessageHandler(handler)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -115,13 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     from app.core import secrets
     from app.core.app_settings import AppSettings
     from app.data_folder import claim, close_store, open_store
+    from app.display import quiet_offscreen_warnings
     from app.engine_bridge import EngineBridge
     from app.main_window import MainWindow
     from app.resources import app_icon
     from app.single_instance import bring_to_front
     from app.theme import theme_manager
 
-    _quiet_offscreen_warnings()
+    quiet_offscreen_warnings()
     share_the_gil()
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("PagedChat")

@@ -147,6 +147,7 @@ def open_window(engine: object) -> None:
     from app.main_window import MainWindow
     from app.resources import app_icon
     from app.theme import theme_manager
+    from engine import EngineStatus
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("PagedChat")
@@ -167,14 +168,15 @@ def open_window(engine: object) -> None:
 
             async def until_ready() -> str:
                 deadline = time.monotonic() + WINDOW_TIMEOUT_S
-                while bridge.status not in ("ready", "error") and time.monotonic() < deadline:
+                done = (EngineStatus.READY, EngineStatus.ERROR)
+                while bridge.status not in done and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
                 return bridge.status
 
             status = loop.run_until_complete(until_ready())
             if not window.isVisible():
                 raise SelfTestError("the main window did not show")
-            if status != "ready":
+            if status != EngineStatus.READY:
                 raise SelfTestError(f"the window's engine status is {status!r}, not 'ready'")
             if window.grab().isNull():
                 raise SelfTestError("the main window did not render")
@@ -214,9 +216,9 @@ def run_self_test() -> SelfTestResult:
 def main() -> int:
     """Entry for ``pagedchat --self-test``: print the one-line result, return the exit code."""
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    from app.main import _quiet_offscreen_warnings
+    from app.display import quiet_offscreen_warnings
 
-    _quiet_offscreen_warnings()
+    quiet_offscreen_warnings()
     result = run_self_test()
     print(result.line(), flush=True)
     return 0 if result.ok else 1

@@ -11,8 +11,6 @@ from __future__ import annotations
 from PySide6.QtWidgets import (
     QButtonGroup,
     QComboBox,
-    QDialog,
-    QDialogButtonBox,
     QDoubleSpinBox,
     QFileDialog,
     QFormLayout,
@@ -20,7 +18,6 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QLineEdit,
-    QPlainTextEdit,
     QPushButton,
     QRadioButton,
     QTabWidget,
@@ -28,38 +25,24 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.chat.chat_settings_dialog import SamplingForm, sampling_error
 from app.core import secrets
-from app.core.app_settings import BLOCK_SIZES, AppSettings
+from app.core.app_settings import AppSettings
+from app.core.records import ChatSettings
+from app.forms import ChatSettingsForm, CheckedDialog
+from engine import BLOCK_SIZES
 
 
-class SettingsDialog(QDialog):
+class SettingsDialog(CheckedDialog):
     def __init__(self, settings: AppSettings, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self.setWindowTitle("Settings")
-        self.setAccessibleName("Settings")
-        self.setMinimumWidth(520)
+        super().__init__("Settings", "Settings", 520, parent)
         self._initial = settings
         self.token_changed = False
-        layout = QVBoxLayout(self)
         tabs = QTabWidget()
         tabs.setAccessibleName("Settings sections")
-        layout.addWidget(tabs)
+        self.body.addWidget(tabs)
         tabs.addTab(self._model_tab(settings), "&Model")
         tabs.addTab(self._defaults_tab(settings), "&New Chats")
         tabs.addTab(self._appearance_tab(settings), "&Appearance")
-        self.error = QLabel()
-        self.error.setObjectName("errorLabel")
-        self.error.setWordWrap(True)
-        self.error.setAccessibleName("Settings error")
-        self.error.hide()
-        layout.addWidget(self.error)
-        buttons = QDialogButtonBox(
-            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
-        )
-        buttons.accepted.connect(self.accept)
-        buttons.rejected.connect(self.reject)
-        layout.addWidget(buttons)
         self._kind_changed()
 
     # ---- tabs ----------------------------------------------------------------------------
@@ -140,16 +123,13 @@ class SettingsDialog(QDialog):
     def _defaults_tab(self, s: AppSettings) -> QWidget:
         page = QWidget()
         v = QVBoxLayout(page)
-        label = QLabel("Default &system prompt for new chats:")
-        self.system_prompt = QPlainTextEdit(s.default_system_prompt)
-        self.system_prompt.setAccessibleName("Default system prompt")
-        self.system_prompt.setTabChangesFocus(True)
-        self.system_prompt.setFixedHeight(90)
-        label.setBuddy(self.system_prompt)
-        v.addWidget(label)
-        v.addWidget(self.system_prompt)
-        self.sampling = SamplingForm(s.default_sampling)
-        v.addWidget(self.sampling)
+        defaults = ChatSettings(s.default_system_prompt, s.default_sampling)
+        self.defaults = ChatSettingsForm(
+            defaults, "Default &system prompt for new chats:", "Default system prompt", 90
+        )
+        self.system_prompt = self.defaults.system_prompt
+        self.sampling = self.defaults.sampling
+        v.addWidget(self.defaults)
         v.addStretch(1)
         return page
 
@@ -180,6 +160,7 @@ class SettingsDialog(QDialog):
             self.kind_folder.setChecked(True)
 
     def value(self) -> AppSettings:
+        """The edited settings (raises ValueError when the engine refuses the sampling)."""
         kind = {1: "folder", 2: "hf"}.get(self.kind_group.checkedId(), "default")
         return AppSettings(
             model_kind=kind,
@@ -192,22 +173,15 @@ class SettingsDialog(QDialog):
             default_sampling=self.sampling.value(),
         )
 
-    def show_error(self, text: str) -> None:
-        self.error.setText(text)
-        self.error.show()
-
-    def accept(self) -> None:
-        value = self.value()
-        problem = value.validate() or sampling_error(value.default_sampling)
+    def problem(self) -> str | None:
+        problem = self.sampling.error() or self.value().validate()
         if problem:
-            self.show_error(problem)
-            return
+            return problem
         token = self.token_edit.text().strip()
         if token != (secrets.get_hf_token() or ""):
             try:
                 secrets.set_hf_token(token)
             except secrets.SecretStoreError as exc:
-                self.show_error(str(exc))
-                return
+                return str(exc)
             self.token_changed = True
-        super().accept()
+        return None

@@ -370,5 +370,15 @@ class Sidebar(QFrame):
         if idx.isValid():
             self.view.setCurrentIndex(idx)
 
+    def focus_search(self) -> None:
+        """Put the cursor in the search field, its text selected (the Find command)."""
+        self.search.setFocus()
+        self.search.selectAll()
+
+    def start_rename(self, conversation_id: str) -> None:
+        """Select a chat and open its title for editing (the Rename command)."""
+        self.select(conversation_id)
+        self.view.edit(self.view.currentIndex())
+
     def refresh_icons(self) -> None:
         self.new_button.setIcon(icons.icon("new-chat", size=16))

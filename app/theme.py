@@ -7,13 +7,43 @@ that caches colours (rendered messages, icons) listens to `theme_manager().chang
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QColor, QGuiApplication, QPalette
 from PySide6.QtWidgets import QApplication
 
-from app.chat.markdown import DARK, LIGHT, MarkdownTheme
 from app.resources import resources_dir
+
+
+@dataclass(frozen=True)
+class MarkdownTheme:
+    """Colours the markdown HTML needs (app/chat/markdown.py); the rest is the palette's."""
+
+    dark: bool = False
+    code_bg: str = "#f4f5f7"
+    code_header_bg: str = "#e8eaee"
+    code_header_fg: str = "#5f6672"
+    inline_code_bg: str = "#eceef1"
+    link: str = "#0a66d8"
+    quote_fg: str = "#6b7280"
+    rule: str = "#d7dae0"
+    pygments_style: str = "friendly"
+
+
+MARKDOWN_LIGHT = MarkdownTheme()
+MARKDOWN_DARK = MarkdownTheme(
+    dark=True,
+    code_bg="#1c1d21",
+    code_header_bg="#2a2c31",
+    code_header_fg="#a3a8b3",
+    inline_code_bg="#34363c",
+    link="#5aa9ff",
+    quote_fg="#9aa0aa",
+    rule="#3a3c42",
+    pygments_style="github-dark",
+)
+
 
 _LIGHT = {
     "window": "#f3f3f5",
@@ -108,7 +138,7 @@ class ThemeManager(QObject):
             self.apply("system")
 
     def markdown_theme(self) -> MarkdownTheme:
-        return DARK if self.dark else LIGHT
+        return MARKDOWN_DARK if self.dark else MARKDOWN_LIGHT
 
     def color(self, key: str) -> QColor:
         return QColor((_DARK if self.dark else _LIGHT)[key])

@@ -41,11 +41,11 @@ def percentile(values: list[float], q: float) -> float:
 async def run(args: argparse.Namespace) -> dict:
     from PySide6.QtCore import Qt, QTimer
 
-    from app.core.records import ChatSettings, SamplingSettings
+    from app.core.records import ChatSettings
     from app.core.store import Store
     from app.engine_bridge import EngineBridge
     from app.main_window import MainWindow
-    from engine import EngineConfig
+    from engine import EngineConfig, EngineStatus, SamplingParams
 
     data = Path(tempfile.mkdtemp(prefix="pagedchat-bench-"))
     store = Store(data)
@@ -54,12 +54,12 @@ async def run(args: argparse.Namespace) -> dict:
     window.resize(1600, 950)
     window.show()
     bridge.start(EngineConfig(model=args.model, kv_memory_mib=args.kv_memory_mib))
-    while bridge.status not in ("ready", "error"):
+    while bridge.status not in (EngineStatus.READY, EngineStatus.ERROR):
         await asyncio.sleep(0.1)
-    if bridge.status == "error":
+    if bridge.status == EngineStatus.ERROR:
         raise SystemExit(f"model failed to load: {bridge.load_error}")
 
-    settings = ChatSettings(sampling=SamplingSettings(temperature=0.0, max_tokens=args.max_tokens))
+    settings = ChatSettings(sampling=SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
     panes = [window.focused_pane]
     while len(panes) < args.panes:
         panes.append(window.new_chat(new_pane=True))

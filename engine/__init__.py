@@ -3,10 +3,19 @@
 The public API (ARCHITECTURE.md 3.6); other code uses only these names. No Qt here.
 """
 
-from engine.config import EngineConfig, SamplingParams
+from engine.config import (
+    BLOCK_SIZES,
+    REPO_ID_PATTERN,
+    EngineConfig,
+    SamplingParams,
+    blocks_for_budget,
+    looks_like_repo_id,
+)
 from engine.engine import Engine
+from engine.errors import ModelLoadError
 from engine.events import (
     Counters,
+    EngineStatus,
     Event,
     FinalEvent,
     FinishReason,
@@ -18,12 +27,14 @@ from engine.events import (
     Usage,
 )
 from engine.handle import RequestHandle
-from engine.models import ModelLoadError
 
 __all__ = [
+    "BLOCK_SIZES",
+    "REPO_ID_PATTERN",
     "Counters",
     "Engine",
     "EngineConfig",
+    "EngineStatus",
     "Event",
     "FinalEvent",
     "FinishReason",
@@ -36,4 +47,6 @@ __all__ = [
     "SessionStats",
     "TokenEvent",
     "Usage",
+    "blocks_for_budget",
+    "looks_like_repo_id",
 ]

@@ -38,7 +38,7 @@ class BlockTable:
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
     hashes: list[int] = field(default_factory=list)  # chain hash of each full block
-    named: int = 0  # leading full blocks already offered to the prefix cache
+    num_offered_to_cache: int = 0  # leading full blocks already offered to the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -126,7 +126,7 @@ class BlockAllocator:
             table.tokens.extend(chunk)
             table.hashes.append(h)
             parent = h
-        table.named = len(table.hashes)
+        table.num_offered_to_cache = len(table.hashes)
         table.num_computed = table.num_tokens
         if count:
             self.record_prefix_lookup(table, prompt)
@@ -194,7 +194,7 @@ class BlockAllocator:
         """Record that every reserved slot of ``table`` now holds its K/V, and name each newly
         full block in the prefix cache."""
         table.num_computed = table.num_tokens
-        for i in range(table.named, len(table.hashes)):
+        for i in range(table.num_offered_to_cache, len(table.hashes)):
             h = table.hashes[i]
             self._unpend(h)
             block = table.blocks[i]
@@ -203,7 +203,7 @@ class BlockAllocator:
             if self._hash[block] is None and h not in self._by_hash:
                 self._hash[block] = h
                 self._by_hash[h] = block
-        table.named = len(table.hashes)
+        table.num_offered_to_cache = len(table.hashes)
 
     # ---- sharing ----------------------------------------------------------------------------
 
@@ -215,9 +215,9 @@ class BlockAllocator:
             tokens=list(table.tokens),
             num_computed=table.num_computed,
             hashes=list(table.hashes),
-            named=table.named,
+            num_offered_to_cache=table.num_offered_to_cache,
         )
-        for h in child.hashes[child.named :]:
+        for h in child.hashes[child.num_offered_to_cache :]:
             self._pending[h] += 1
         for block in child.blocks:
             self._hold(block, child.owner)
@@ -225,7 +225,7 @@ class BlockAllocator:
 
     def free(self, table: BlockTable) -> None:
         """Release every block of ``table``; cached (hashed) blocks stay reusable in the LRU."""
-        for h in table.hashes[table.named :]:
+        for h in table.hashes[table.num_offered_to_cache :]:
             self._unpend(h)
         for block in reversed(table.blocks):
             self._release(block, table.owner)
@@ -233,7 +233,7 @@ class BlockAllocator:
         table.tokens.clear()
         table.num_computed = 0
         table.hashes.clear()
-        table.named = 0
+        table.num_offered_to_cache = 0
 
     # ---- introspection (snapshots, tests) ---------------------------------------------------
 
@@ -275,8 +275,8 @@ class BlockAllocator:
         pending: Counter[int] = Counter()
         for t in tables:
             assert len(t.hashes) == t.num_tokens // self.block_size, "missing block hashes"
-            assert t.named <= len(t.hashes)
-            pending.update(t.hashes[t.named :])
+            assert t.num_offered_to_cache <= len(t.hashes)
+            pending.update(t.hashes[t.num_offered_to_cache :])
         assert pending == self._pending, "pending-block index differs from the tables"
         free = set(self._free)
         assert len(free) == len(self._free), "free list holds a block twice"

@@ -6,9 +6,31 @@ clear message instead of deep inside the engine thread.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-ALLOWED_BLOCK_SIZES = (8, 16, 32)
+#: Token slots per KV block that the engine (and its attention kernels) support.
+BLOCK_SIZES = (8, 16, 32)
+
+#: What the Hugging Face Hub accepts as a repo id ("owner/name"); anything else names a path.
+REPO_ID_PATTERN = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+MIB = 2**20
+
+
+def looks_like_repo_id(spec: str) -> bool:
+    """True for "owner/name" (what the Hub accepts); anything else is meant as a path."""
+    return REPO_ID_PATTERN.fullmatch(spec) is not None
+
+
+def blocks_for_budget(bytes_per_token: int, block_size: int, budget_mib: float) -> int:
+    """How many blocks of ``block_size`` slots fit in ``budget_mib`` (at least one).
+
+    One function for the engine (sizing the pool) and the app (showing what a budget buys),
+    so the two can never disagree.
+    """
+    per_block = bytes_per_token * block_size
+    return max(1, int(budget_mib * MIB) // per_block)
 
 
 @dataclass(frozen=True)
@@ -36,9 +58,9 @@ class EngineConfig:
     attention: str = "auto"  # "auto", "reference" or "kernel"
 
     def __post_init__(self) -> None:
-        if self.block_size not in ALLOWED_BLOCK_SIZES:
+        if self.block_size not in BLOCK_SIZES:
             raise ValueError(
-                f"block_size must be one of {ALLOWED_BLOCK_SIZES}, got {self.block_size}"
+                f"block_size must be one of {BLOCK_SIZES}, got {self.block_size}"
             )
         if not self.kv_memory_mib > 0:
             raise ValueError(f"kv_memory_mib must be positive, got {self.kv_memory_mib}")

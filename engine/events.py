@@ -20,6 +20,16 @@ class FinishReason(StrEnum):
     ERROR = "error"
 
 
+class EngineStatus(StrEnum):
+    """Where the engine is in its life: ``loading`` until the model is up, then ``ready``;
+    ``error`` when loading failed (``Engine.load_error`` says why)."""
+
+    STOPPED = "stopped"
+    LOADING = "loading"
+    READY = "ready"
+    ERROR = "error"
+
+
 class SequenceState(StrEnum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
@@ -119,7 +129,6 @@ class PoolSnapshot:
     sessions: Mapping[str, SessionStats]
     counters: Counters
     model_name: str = ""
-    paged: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.sessions, MappingProxyType):
@@ -164,5 +173,4 @@ class ModelInfo:
     block_size: int
     num_blocks: int
     bytes_per_block: int
-    paged: bool
     attention: str  # "metal-kernel" or "reference"

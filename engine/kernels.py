@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from engine.config import BLOCK_SIZES
+
 
 def _shaders_root() -> Path:
     """The folder holding ``shaders/``: the project root from source; ``sys._MEIPASS`` in a
@@ -38,7 +40,6 @@ def _shaders_root() -> Path:
 SHADER_PATH = _shaders_root() / "shaders" / "paged_attention.metal"
 
 HEAD_DIMS = (64, 80, 96, 128)
-BLOCK_SIZES = (8, 16, 32)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 MAX_GROUP = 16  # query heads per KV head (register arrays are sized by it)
 

@@ -27,12 +27,6 @@ class KVShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
 
 
-def blocks_for_budget(shape: KVShape, block_size: int, budget_mib: float) -> int:
-    """How many blocks fit in ``budget_mib`` (at least one)."""
-    per_block = shape.bytes_per_token() * block_size
-    return max(1, int(budget_mib * 2**20) // per_block)
-
-
 class KVPool:
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int) -> None:
         self.shape = shape

@@ -28,19 +28,9 @@ import mlx.nn as nn
 
 from engine import attention
 from engine.kv_pool import KVPool, KVShape
+from engine.work import SequenceWork
 
 PROVEN_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
-
-
-@dataclass(frozen=True)
-class SequenceWork:
-    """One sequence's share of a step: tokens to feed, where they go, whether to sample."""
-
-    tokens: Sequence[int]
-    start: int  # position of tokens[0] in the sequence
-    blocks: Sequence[int]  # the sequence's block table, covering start + len(tokens)
-    slots: Sequence[tuple[int, int]]  # (block, offset) for each fed token
-    want_logits: bool = True
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,9 @@ Each step, in this order:
 3. waiting sequences are admitted (first reusing the prefix cache) while the batch, the
    budget and the free blocks allow.
 
+It is the only user of the allocator besides the snapshot's read-only view: it also forks
+the samples of an n > 1 request when their shared prompt is done (:meth:`fork_samples`).
+
 Pure bookkeeping on the allocator: no MLX here, so every decision is unit-testable.
 """
 
@@ -21,20 +24,12 @@ from dataclasses import dataclass, field
 from engine.blocks import BlockAllocator, BlockTable
 from engine.events import SequenceState
 from engine.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class ScheduledWork:
-    seq: Sequence
-    tokens: list[int]
-    start: int
-    slots: list[tuple[int, int]]
-    want_logits: bool
+from engine.work import SequenceWork
 
 
 @dataclass
 class StepPlan:
-    works: list[ScheduledWork] = field(default_factory=list)
+    works: list[SequenceWork] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
@@ -56,9 +51,25 @@ class Scheduler:
         seq.state = SequenceState.WAITING
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A fork of a running sequence joins the batch directly (it shares its blocks)."""
-        self.running.append(seq)
+    def fork_samples(self, seq: Sequence) -> list[Sequence]:
+        """The sequences that draw from ``seq``'s logits: itself, plus its siblings the
+        first time a request with n > 1 reaches them (they fork from it, sharing its blocks,
+        and join the batch directly)."""
+        request = seq.request
+        if request.forked or request.params.n == 1:
+            return [seq]
+        request.forked = True
+        siblings = [seq]
+        for sibling in request.sequences[1:]:
+            if sibling.finished:
+                continue
+            sibling.tokens = list(seq.tokens)
+            sibling.table = self.alloc.fork(seq.table)
+            sibling.state = SequenceState.DECODING
+            sibling.admitted_at = seq.admitted_at
+            self.running.append(sibling)
+            siblings.append(sibling)
+        return siblings
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished, cancelled, failed) and free its blocks at once."""
@@ -87,7 +98,7 @@ class Scheduler:
         scheduled: set[int] = set()
 
         for seq in list(self.running):
-            if seq not in self.running or seq.num_uncomputed != 1:
+            if seq not in self.running or seq.num_to_feed != 1:
                 continue
             if self._make_room(seq, 1, plan):
                 self._reserve(seq, 1, plan)
@@ -96,14 +107,14 @@ class Scheduler:
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if seq not in self.running or seq.seq_id in scheduled or seq.num_uncomputed < 2:
+            if seq not in self.running or seq.seq_id in scheduled or seq.num_to_feed < 2:
                 continue
-            n = min(budget, seq.num_uncomputed)
+            n = min(budget, seq.num_to_feed)
             n = min(n, self._tokens_that_fit(seq.table))
             if n < 1:
                 if not self._make_room(seq, 1, plan):
                     continue
-                n = min(budget, seq.num_uncomputed, self._tokens_that_fit(seq.table))
+                n = min(budget, seq.num_to_feed, self._tokens_that_fit(seq.table))
             self._reserve(seq, n, plan)
             scheduled.add(seq.seq_id)
             budget -= n
@@ -147,12 +158,14 @@ class Scheduler:
     # ---- internals --------------------------------------------------------------------------
 
     def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> None:
-        start = seq.num_computed
+        start = seq.num_in_table
         tokens = seq.tokens[start : start + n]
         result = self.alloc.append(seq.table, tokens)
         plan.copies.extend(result.copies)
         done = start + n == len(seq.tokens)
-        plan.works.append(ScheduledWork(seq, tokens, start, result.slots, want_logits=done))
+        plan.works.append(
+            SequenceWork(tokens, start, seq.table.blocks, result.slots, want_logits=done, seq=seq)
+        )
 
     def _tokens_that_fit(self, table: BlockTable) -> int:
         """The most tokens ``table`` can take now without preempting anyone."""

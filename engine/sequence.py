@@ -71,12 +71,14 @@ class Sequence:
         return len(self.tokens) - self.num_prompt
 
     @property
-    def num_computed(self) -> int:
+    def num_in_table(self) -> int:
+        """Tokens holding a slot in the block table: computed, or reserved for this step."""
         return self.table.num_tokens if self.table is not None else 0
 
     @property
-    def num_uncomputed(self) -> int:
-        return len(self.tokens) - self.num_computed
+    def num_to_feed(self) -> int:
+        """Tokens not yet given a slot: what the model still has to be fed."""
+        return len(self.tokens) - self.num_in_table
 
     @property
     def finished(self) -> bool:

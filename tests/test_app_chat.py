@@ -6,6 +6,7 @@ Generations are short and greedy so the suite stays fast and deterministic.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -109,8 +110,7 @@ def test_regenerate_adds_alternatives_and_the_switcher_moves_between_them(harnes
     original = last_reply(pane)
     # two more alternatives in one request (n=2): sampled, so give them some temperature
     s = pane.session.settings
-    s.sampling.temperature = 1.0
-    s.sampling.seed = 7
+    s.sampling = dataclasses.replace(s.sampling, temperature=1.0, seed=7)
     pane.session.set_settings(s)
     assert pane.regenerate(original.id, 2)
     wait_idle(qtbot, pane)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sqlite3
@@ -29,7 +30,7 @@ def test_round_trip_across_a_window_restart(qtbot, qasync_loop, app_env, app_eng
     wait_idle(qtbot, a)
     first = last_reply(a)
     s = a.session.settings
-    s.sampling.temperature, s.sampling.seed = 1.0, 3
+    s.sampling = dataclasses.replace(s.sampling, temperature=1.0, seed=3)
     a.session.set_settings(s)
     a.regenerate(first.id)
     wait_idle(qtbot, a)

@@ -8,10 +8,12 @@ import sys
 import pytest
 
 from app.chat.markdown import StreamingRenderer, render_markdown, stable_split
-from app.core.records import ChatSettings, Message, SamplingSettings, Status
+from app.core.records import ChatSettings, Message, Status
 from app.core.store import Store
 from app.core.tree import MessageTree
 from app.display import no_display_problem
+from app.theme import MARKDOWN_LIGHT
+from engine import SamplingParams
 
 
 def _msg(conv: str, mid: str, parent: str | None, role: str = "user", text: str = "x") -> Message:
@@ -21,7 +23,7 @@ def _msg(conv: str, mid: str, parent: str | None, role: str = "user", text: str 
 def test_store_round_trip_and_wal(tmp_path):
     store = Store(tmp_path)
     conv = store.create_conversation(
-        "Hello", ChatSettings("be brief", SamplingSettings(temperature=0.2))
+        "Hello", ChatSettings("be brief", SamplingParams(temperature=0.2))
     )
     store.add_message(_msg(conv.id, "a", None, "user", "hi there"))
     store.add_message(_msg(conv.id, "b", "a", "assistant", "hello"))
@@ -79,26 +81,26 @@ def test_tree_alternatives_remember_their_branch():
 
 
 def test_markdown_code_blocks_and_half_written_text():
-    r = render_markdown("Use this:\n\n```python\nprint('hi')\n```\n\nand `x`.")
+    r = render_markdown("Use this:\n\n```python\nprint('hi')\n```\n\nand `x`.", MARKDOWN_LIGHT)
     assert r.code_blocks == ("print('hi')",)
     assert 'href="copy:0"' in r.html and "<code" in r.html
     # an unclosed fence still renders its code, and the copy text is what was written so far
-    half = render_markdown("```py\ndef f(:\n    return [")
+    half = render_markdown("```py\ndef f(:\n    return [", MARKDOWN_LIGHT)
     assert half.code_blocks == ("def f(:\n    return [",)
     # odd half-written constructs never raise and keep the text
     for text in ("**bold", "| a | b\n|--", "[link](http://", "1. one\n2.", "```", "> quote\n>"):
-        out = render_markdown(text)
+        out = render_markdown(text, MARKDOWN_LIGHT)
         assert out.html
 
 
 def test_streaming_renderer_reparses_only_the_tail():
-    s = StreamingRenderer()
+    s = StreamingRenderer(MARKDOWN_LIGHT)
     text = "First paragraph.\n\n```\ncode\n\nstill code\n```\n\nTail"
     cut = stable_split(text)
     assert text[cut:] == "Tail"  # the blank line inside the fence is not a cut point
     r = s.render(text)
     assert r.code_blocks == ("code\n\nstill code",)
-    full = render_markdown(text)
+    full = render_markdown(text, MARKDOWN_LIGHT)
     assert r.code_blocks == full.code_blocks
 
 
@@ -172,3 +174,27 @@ def test_model_spec_parsing(spec, kind):
     assert s.model_kind == kind
     if kind == "folder":
         assert "does not exist" in s.validate()
+
+
+def test_the_core_runs_without_qt():
+    """What the import contract says statically, at run time too (a lazy import included)."""
+    import subprocess
+    from pathlib import Path
+
+    code = (
+        "import sys, pkgutil, importlib, app.core\n"
+        "for m in pkgutil.iter_modules(app.core.__path__):\n"
+        "    importlib.import_module('app.core.' + m.name)\n"
+        "from app.core.store import Store\n"
+        "from app.core.app_settings import AppSettings\n"
+        "import tempfile\n"
+        "s = Store(tempfile.mkdtemp())\n"
+        "AppSettings().save(s); AppSettings.load(s).engine_config()\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('PySide6', 'qasync'))))\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"

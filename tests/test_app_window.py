@@ -117,3 +117,68 @@ def test_theme_switches_light_and_dark(window, qtbot):
 def test_monitor_dock_placeholder(window):
     dock = window.findChild(QWidget, "kvMonitorDock")
     assert dock is window.monitor_dock and dock.widget() is not None
+
+
+def _menu_at(window, path: str):
+    menu = None
+    for title in path.split("/"):
+        entries = (menu.actions() if menu is not None else window.menuBar().actions())
+        found = [a.menu() for a in entries if a.menu() is not None and a.text() == title]
+        assert found, f"no menu {title!r} on the way to {path!r}"
+        menu = found[0]
+    return menu
+
+
+def test_every_row_of_the_action_table_is_wired_to_the_window_and_its_menu(window):
+    from app.actions import ACTIONS, TOOLBAR
+
+    def resolve(path: str):  # "focused_pane.stop": through today's window
+        target = window
+        for attr in path.split("."):
+            target = getattr(target, attr)
+        return target
+
+    for spec in ACTIONS:
+        action = getattr(window, f"act_{spec.key}")
+        if spec.adopt:
+            assert action is resolve(spec.adopt)()
+        else:
+            assert callable(resolve(spec.slot)), spec.slot
+        if spec.menu is not None:
+            assert action in _menu_at(window, spec.menu[0]).actions(), spec.key
+    on_toolbar = [a for a in window.toolbar.actions() if a.iconText() and not a.isSeparator()]
+    assert [a.iconText() for a in on_toolbar if a in window.actions_by_key.values()] == [
+        window.actions_by_key[k].iconText() for k in TOOLBAR if k is not None
+    ]
+
+
+def test_menu_commands_act_on_the_focused_pane(window, qtbot):
+    first = window.focused_pane
+    second = window.new_chat(new_pane=True)
+    _menu_at(window, "&View").actions()[0].trigger()  # Focus Pane 1
+    assert window.focused_pane is first
+    window.act_focus_1.trigger()
+    assert window.focused_pane is second
+    window.act_stop.trigger()  # nothing is streaming: a no-op, never an error
+    window.act_close_pane.trigger()
+    assert window.panes == [first] and window.focused_pane is first
+
+
+def test_the_monitor_asks_the_window_about_chats(window, qtbot):
+    from PySide6.QtCore import QEvent, QPointF
+    from PySide6.QtGui import QEnterEvent
+    from PySide6.QtWidgets import QApplication
+
+    panel = window.monitor_dock.widget()
+    assert panel.chats is window
+    a = window.focused_pane
+    b = window.new_chat(new_pane=True)
+    b.session.rename("Plans")
+    assert panel.title(b.session.id) == "Plans" and panel.title("elsewhere") == "elsewhere"
+    panel.select_session(a.session.id)  # as a click on its blocks or its legend row does
+    assert window.focused_pane is a
+    with qtbot.waitSignal(window.chatHovered) as hovered:
+        QApplication.sendEvent(b, QEnterEvent(QPointF(5, 5), QPointF(5, 5), QPointF(5, 5)))
+    assert hovered.args == [b.session.id] and panel.highlighted == b.session.id
+    QApplication.sendEvent(b, QEvent(QEvent.Type.Leave))
+    assert panel.highlighted == a.session.id

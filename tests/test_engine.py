@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Engine, EngineConfig, FinishReason, SamplingParams, SequenceState, TokenEvent
+from engine import (
+    Engine,
+    EngineConfig,
+    FinishReason,
+    SamplingParams,
+    SequenceState,
+    TokenEvent,
+    step,
+)
 from tests.reference import (
     chat_prompt,
     collect,
@@ -187,25 +195,25 @@ def test_over_long_prompt_ends_with_a_clear_error_and_engine_keeps_serving(engin
         engine.submit(messages=[{"role": "user", "content": "   "}])
 
 
-def test_a_failing_request_fails_alone(engine: Engine) -> None:
+def test_a_failing_request_fails_alone(engine: Engine, monkeypatch) -> None:
     expected = greedy_reference(chat_prompt(user(QUESTIONS[3])), 16)
+    real_sample_row = step.sample_row
 
-    def explode(seq) -> None:
+    def explode(seq, logits):
         if seq.session_id == "faulty" and seq.num_generated >= 2:
             raise RuntimeError("injected fault")
+        return real_sample_row(seq, logits)
 
-    engine.fault_injector = explode
-    try:
-        bad = engine.submit(messages=user(QUESTIONS[4]),
-                            params=SamplingParams(temperature=0.0, max_tokens=30),
-                            session_id="faulty")
-        good = engine.submit(messages=user(QUESTIONS[3]),
-                             params=SamplingParams(temperature=0.0, max_tokens=16),
-                             session_id="healthy")
-        _, bad_finals = collect(bad)
-        tokens, good_finals = collect(good)
-    finally:
-        engine.fault_injector = None
+    monkeypatch.setattr(step, "sample_row", explode)
+    bad = engine.submit(messages=user(QUESTIONS[4]),
+                        params=SamplingParams(temperature=0.0, max_tokens=30),
+                        session_id="faulty")
+    good = engine.submit(messages=user(QUESTIONS[3]),
+                         params=SamplingParams(temperature=0.0, max_tokens=16),
+                         session_id="healthy")
+    _, bad_finals = collect(bad)
+    tokens, good_finals = collect(good)
+    monkeypatch.undo()
     assert bad_finals[0].finish_reason is FinishReason.ERROR
     assert "injected fault" in bad_finals[0].error
     assert good_finals[0].finish_reason is not FinishReason.ERROR

@@ -6,8 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine import blocks_for_budget
 from engine.blocks import BlockAllocator, BlockTable
-from engine.kv_pool import KVPool, KVShape, blocks_for_budget
+from engine.kv_pool import KVPool, KVShape
 from engine.model_adapter import PagedModel, SequenceWork, build_step_batch, probe_kv_shape
 from tests.test_architectures import tiny_model
 
@@ -82,4 +83,4 @@ def test_copy_blocks_copies_every_layer() -> None:
 def test_budget_sizes_the_pool() -> None:
     shape = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, dtype=mx.float32)
     # 30 layers * 2 (K, V) * 3 heads * 64 dims * 4 bytes = 46,080 bytes per token.
-    assert blocks_for_budget(shape, 16, 45.0) == (45 * 2**20) // (46_080 * 16)
+    assert blocks_for_budget(shape.bytes_per_token(), 16, 45.0) == (45 * 2**20) // (46_080 * 16)

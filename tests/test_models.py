@@ -1,4 +1,4 @@
-"""engine/models.py: the embedded default model's conversion, folders, repos, and errors.
+"""engine/models.py and engine/gguf.py: the default model's conversion, folders, repos, errors.
 
 References are independent of the code under test: the GGUF file itself (read with mx.load),
 a hand-written GPT-2 byte-level BPE, the ChatML text written out by hand, and the model's
@@ -23,11 +23,11 @@ from mlx.utils import tree_flatten
 from mlx_lm import generate
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine import gguf as converter
 from engine import models
+from engine.gguf import GGUF_PATH_ENV, STAMP_FILE
 from engine.models import (
     CACHE_DIR_ENV,
-    GGUF_PATH_ENV,
-    STAMP_FILE,
     LoadedModel,
     ModelLoadError,
     converted_folder,
@@ -285,7 +285,7 @@ def test_second_load_reuses_the_converted_folder(fp32_model, monkeypatch):
     def must_not_convert(*args, **kwargs):
         raise AssertionError("the cached conversion was not reused")
 
-    monkeypatch.setattr(models, "convert_gguf", must_not_convert)
+    monkeypatch.setattr(converter, "convert_gguf", must_not_convert)
     again = load_model("default", quantized=False)
     assert again.path == folder
     assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.iterdir()} == before
@@ -318,8 +318,8 @@ def test_untrusted_folder_is_converted_again(q4_model, tmp_path, monkeypatch, da
     else:
         (folder / "model.safetensors").unlink()
     calls: list = []
-    monkeypatch.setattr(models, "convert_gguf", _copying_converter(q4_model.path, calls))
-    assert models.ensure_converted(locate_default_gguf(), quantized=True) == folder
+    monkeypatch.setattr(converter, "convert_gguf", _copying_converter(q4_model.path, calls))
+    assert converter.ensure_converted(locate_default_gguf(), folder, quantized=True) == folder
     assert calls == [True]
     assert json.loads(stamp_file.read_text()) == json.loads((q4_model.path / STAMP_FILE)
                                                             .read_text())
@@ -334,7 +334,7 @@ def test_interrupted_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "convert_gguf", interrupted)
+    monkeypatch.setattr(converter, "convert_gguf", interrupted)
     with pytest.raises(KeyboardInterrupt):
         load_model("default", quantized=True)
     assert list((tmp_path / "models").iterdir()) == []

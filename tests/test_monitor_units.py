@@ -25,8 +25,7 @@ def counters(**kw) -> Counters:
     return Counters(**base)
 
 
-def snapshot(blocks: list[tuple], sessions: dict | None = None, paged: bool = True,
-             **counter_kw) -> PoolSnapshot:
+def snapshot(blocks: list[tuple], sessions: dict | None = None, **counter_kw) -> PoolSnapshot:
     """blocks: (owners, refcount, fill, cached) per block id."""
     owners = tuple(tuple(b[0]) for b in blocks)
     return PoolSnapshot(
@@ -42,7 +41,6 @@ def snapshot(blocks: list[tuple], sessions: dict | None = None, paged: bool = Tr
         sessions=sessions or {},
         counters=counters(**counter_kw),
         model_name="test",
-        paged=paged,
     )
 
 
@@ -388,9 +386,9 @@ class _FakeBridge:
         self.engine = None
 
 
-def test_panel_pages_waiting_content_and_not_paged(qtbot):
+def test_panel_pages_from_waiting_to_content(qtbot):
     from app.monitor import create_monitor
-    from app.monitor.monitor import CONTENT, NOT_PAGED, WAITING
+    from app.monitor.monitor import CONTENT, WAITING
 
     bridge = _FakeBridge()
     panel = create_monitor(bridge)
@@ -402,9 +400,6 @@ def test_panel_pages_waiting_content_and_not_paged(qtbot):
     assert panel.counters.value("used") .startswith("5 ·")
     assert panel.counters.value("saved") == "1.4 MiB"
     assert len(panel.timeline.samples) == 1
-    bridge.snapshotUpdated.emit(snapshot(EIGHT, paged=False))
-    assert panel.pages.currentIndex() == NOT_PAGED
-    assert "mlx-lm's own KV cache" in panel.not_paged_label.text()
 
 
 def test_clicking_a_block_selects_its_chat(qtbot):

@@ -25,6 +25,7 @@ from PySide6.QtWidgets import QListView, QStyle, QStyledItemDelegate, QStyleOpti
 from app import colors, icons
 from app.chat.message_model import ChatMessageModel, RenderEntry, status_text
 from app.core.records import Message, Status
+from app.theme import theme_manager
 
 H_PAD = 18
 TOP_PAD = 10
@@ -318,6 +319,4 @@ class MessageDelegate(QStyledItemDelegate):
 
 
 def model_dark() -> bool:
-    from app.theme import theme_manager
-
     return theme_manager().dark

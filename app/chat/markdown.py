@@ -17,6 +17,7 @@ import html
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from markdown_it import MarkdownIt
 from pygments import highlight
@@ -25,36 +26,10 @@ from pygments.lexers import get_lexer_by_name
 from pygments.lexers.special import TextLexer
 from pygments.util import ClassNotFound
 
+if TYPE_CHECKING:  # the look is the theme's (app/theme.py), handed in by the caller
+    from app.theme import MarkdownTheme
+
 COPY_SCHEME = "copy:"
-
-
-@dataclass(frozen=True)
-class MarkdownTheme:
-    """Colours the generated HTML needs (everything else comes from the widget palette)."""
-
-    dark: bool = False
-    code_bg: str = "#f4f5f7"
-    code_header_bg: str = "#e8eaee"
-    code_header_fg: str = "#5f6672"
-    inline_code_bg: str = "#eceef1"
-    link: str = "#0a66d8"
-    quote_fg: str = "#6b7280"
-    rule: str = "#d7dae0"
-    pygments_style: str = "friendly"
-
-
-LIGHT = MarkdownTheme()
-DARK = MarkdownTheme(
-    dark=True,
-    code_bg="#1c1d21",
-    code_header_bg="#2a2c31",
-    code_header_fg="#a3a8b3",
-    inline_code_bg="#34363c",
-    link="#5aa9ff",
-    quote_fg="#9aa0aa",
-    rule="#3a3c42",
-    pygments_style="github-dark",
-)
 
 
 @dataclass(frozen=True)
@@ -171,7 +146,7 @@ def plain_html(text: str) -> str:
     return "<p>" + html.escape(text).replace("\n", "<br/>") + "</p>"
 
 
-def render_markdown(text: str, theme: MarkdownTheme = LIGHT, code_offset: int = 0) -> Rendered:
+def render_markdown(text: str, theme: MarkdownTheme, code_offset: int = 0) -> Rendered:
     """Render a (possibly half-written) markdown text; never raises."""
     source = text
     marker = _open_fence(text)
@@ -209,7 +184,7 @@ def stable_split(text: str) -> int:
 class StreamingRenderer:
     """Renders a growing reply: the finished prefix once, the open tail on every call."""
 
-    def __init__(self, theme: MarkdownTheme = LIGHT) -> None:
+    def __init__(self, theme: MarkdownTheme) -> None:
         self.theme = theme
         self._prefix_text = ""
         self._prefix: Rendered = Rendered("")

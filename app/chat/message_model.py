@@ -17,18 +17,12 @@ from typing import Any
 from PySide6.QtCore import QAbstractListModel, QModelIndex, QObject, QPersistentModelIndex, Qt
 from PySide6.QtGui import QFont, QTextDocument, QTextOption
 
-from app.chat.markdown import (
-    MarkdownTheme,
-    Rendered,
-    StreamingRenderer,
-    plain_html,
-    render_markdown,
-)
+from app.chat.markdown import Rendered, StreamingRenderer, plain_html, render_markdown
 from app.chat.session import ChatSession
 from app.chat.throttle import RenderThrottle, shared_throttle
 from app.core.records import Message, Status
 from app.qt_util import disconnect
-from app.theme import theme_manager
+from app.theme import MarkdownTheme, theme_manager
 
 MessageRole = Qt.ItemDataRole.UserRole + 1
 MessageIdRole = Qt.ItemDataRole.UserRole + 2

@@ -31,6 +31,7 @@ from app.chat.message_view import MessageListView
 from app.chat.session import ChatSession
 from app.core.records import Status
 from app.qt_util import disconnect
+from engine import EngineStatus
 
 NOTICE_MS = 8000
 
@@ -432,10 +433,10 @@ class ChatPane(QFrame):
     def _update_footer(self, *_args: object) -> None:
         if self.session is None:
             return
-        if self.bridge.status == "loading":
+        if self.bridge.status == EngineStatus.LOADING:
             self.footer.setText("Loading model…")
             return
-        if self.bridge.status == "error":
+        if self.bridge.status == EngineStatus.ERROR:
             self.footer.setText("Model not loaded")
             return
         s = self.footer_stats()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
@@ -192,24 +193,12 @@ class ChatSession(QObject):
         return msg
 
     def _reply(self, parent_id: str, n: int) -> bool:
-        from engine import SamplingParams  # engine types only; the work goes via the bridge
-
         prompt = self.prompt_messages(parent_id)
-        s = self.settings.sampling
         replies = [self._new_message(parent_id, "assistant", "", Status.PENDING) for _ in range(n)]
         self._activate(replies[0].id)
         self.store.touch_conversation(self.id)
         try:
-            params = SamplingParams(
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                min_p=s.min_p,
-                repetition_penalty=s.repetition_penalty,
-                max_tokens=s.max_tokens,
-                seed=s.seed,
-                n=n,
-            )
+            params = dataclasses.replace(self.settings.sampling, n=n)  # validates
             rid = self.bridge.submit(prompt, params, self.id)
         except (ValueError, RuntimeError) as exc:
             for r in replies:
@@ -263,7 +252,7 @@ class ChatSession(QObject):
         ids[index] = None  # type: ignore[call-overload]
         status = status_for(event.finish_reason, self._quitting)
         text = event.text if (event.text or status != Status.ERROR) else None
-        meta: dict[str, Any] = {"finish_reason": getattr(event.finish_reason, "value", "")}
+        meta: dict[str, Any] = {"finish_reason": str(event.finish_reason)}
         usage = usage_dict(event.usage)
         if usage:
             meta["usage"] = usage
@@ -397,6 +386,22 @@ class SessionManager(QObject):
         else:
             self.store.rename_conversation(conversation_id, title.strip() or DEFAULT_TITLE)
             self.conversationsChanged.emit()
+
+    def latest_or_new(self) -> ChatSession | None:
+        """The most recently updated chat, or a new one when there is none."""
+        convs = self.store.list_conversations()
+        return self.get(convs[0].id) if convs else self.create()
+
+    def prune_empty(self, keep: set[str]) -> None:
+        """Drop untouched "New Chat"s left from earlier runs (those in `keep` are shown)."""
+        for conv in self.store.list_conversations():
+            if conv.id not in keep and not self.store.load_messages(conv.id):
+                self.store.delete_conversation(conv.id)
+
+    def discard_if_unused(self, session: ChatSession) -> None:
+        """A "New Chat" never written in disappears when no pane shows it any more."""
+        if not session.tree.by_id and not session.busy:
+            self.delete(session.id)
 
     def delete(self, conversation_id: str) -> None:
         session = self.sessions.pop(conversation_id, None)

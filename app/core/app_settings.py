@@ -7,18 +7,17 @@ logic agree on what "the model" is. Secrets are not here: see app/core/secrets.p
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.core.records import SamplingSettings
+from app.core.records import ChatSettings
+from app.core.serial import from_json, to_json
+from engine import BLOCK_SIZES, EngineConfig, SamplingParams, looks_like_repo_id
 
 SETTINGS_KEY = "app_settings"
 MODEL_KINDS = ("default", "folder", "hf")
 THEMES = ("system", "light", "dark")
-BLOCK_SIZES = (8, 16, 32)
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
 @dataclass
@@ -30,7 +29,7 @@ class AppSettings:
     block_size: int = 16
     theme: str = "system"  # "system" | "light" | "dark"
     default_system_prompt: str = ""
-    default_sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    default_sampling: SamplingParams = field(default_factory=SamplingParams)
 
     # ---- the model ----------------------------------------------------------------------
 
@@ -50,7 +49,7 @@ class AppSettings:
         elif (
             os.path.exists(os.path.expanduser(spec))
             or spec.startswith(("/", ".", "~"))
-            or not _REPO_ID.match(spec)
+            or not looks_like_repo_id(spec)
         ):
             self.model_kind, self.model_folder = "folder", spec
         else:
@@ -76,28 +75,32 @@ class AppSettings:
                 return f"The model folder {folder} does not exist."
             if not (folder / "config.json").is_file():
                 return f"{folder} is not an mlx-lm model folder (it has no config.json)."
-        if self.model_kind == "hf" and not _REPO_ID.match(self.model_repo.strip()):
+        if self.model_kind == "hf" and not looks_like_repo_id(self.model_repo.strip()):
             return (
                 "A Hugging Face repo id looks like owner/name, e.g. mlx-community/Qwen3-0.6B-4bit."
             )
-        if not 1 <= self.kv_memory_mib <= 1 << 20:
-            return "The KV memory budget must be between 1 MiB and 1 TiB."
-        if self.block_size not in BLOCK_SIZES:
-            return f"The block size must be one of {', '.join(map(str, BLOCK_SIZES))}."
         if self.theme not in THEMES:
             return f"Unknown theme {self.theme!r}."
+        if not 1 <= self.kv_memory_mib <= 1 << 20:
+            return "The KV memory budget must be between 1 MiB and 1 TiB."
+        try:  # the rest is the engine's to judge, by its own rules
+            self.engine_config()
+        except ValueError as exc:
+            return f"The engine refuses these settings: {exc}."
         return None
 
-    def engine_config(self, **overrides: Any) -> Any:
+    def engine_config(self, **overrides: Any) -> EngineConfig:
         """The EngineConfig these settings describe (raises ValueError for bad values)."""
-        from engine import EngineConfig
-
         return EngineConfig(
             model=self.model_spec(),
             kv_memory_mib=float(self.kv_memory_mib),
             block_size=int(self.block_size),
             **overrides,
         )
+
+    def default_chat(self) -> ChatSettings:
+        """The settings a new chat starts with."""
+        return ChatSettings(self.default_system_prompt, self.default_sampling)
 
     def engine_key(self) -> tuple[str, float, int]:
         """What needs an engine restart when it changes."""
@@ -106,37 +109,17 @@ class AppSettings:
     # ---- (de)serialisation ---------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "model_kind": self.model_kind,
-            "model_folder": self.model_folder,
-            "model_repo": self.model_repo,
-            "kv_memory_mib": self.kv_memory_mib,
-            "block_size": self.block_size,
-            "theme": self.theme,
-            "default_system_prompt": self.default_system_prompt,
-            "default_sampling": self.default_sampling.to_dict(),
-        }
+        return to_json(self)
 
     @classmethod
     def from_dict(cls, data: Any) -> AppSettings:
-        out = cls()
-        if not isinstance(data, dict):
-            return out
-        for key in ("model_kind", "model_folder", "model_repo", "theme", "default_system_prompt"):
-            if isinstance(data.get(key), str):
-                setattr(out, key, data[key])
-        try:
-            out.kv_memory_mib = float(data.get("kv_memory_mib", out.kv_memory_mib))
-            out.block_size = int(data.get("block_size", out.block_size))
-        except (TypeError, ValueError):
-            pass
-        out.default_sampling = SamplingSettings.from_dict(data.get("default_sampling"))
+        out = from_json(cls, data)
         if out.model_kind not in MODEL_KINDS:
             out.model_kind = "default"
         if out.theme not in THEMES:
             out.theme = "system"
         if out.block_size not in BLOCK_SIZES:
-            out.block_size = 16
+            out.block_size = AppSettings.block_size
         return out
 
     @classmethod

@@ -1,15 +1,19 @@
 """Plain data records shared by the store, the chat logic and the views (no Qt, no SQL).
 
 Kept separate so persistence and UI agree on one shape, and so the message-tree logic can be
-unit-tested without a database or a window.
+unit-tested without a database or a window. Sampling is not restated here: a chat keeps the
+engine's own SamplingParams, validated by the engine's rules.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+from app.core.serial import from_json, to_json
+from engine import SamplingParams
 
 
 def new_id() -> str:
@@ -32,65 +36,18 @@ class Status:
 
 
 @dataclass
-class SamplingSettings:
-    """The sampling part of a chat's settings (mirrors engine.SamplingParams)."""
-
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int = 512
-    seed: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> SamplingSettings:
-        """Build from stored JSON, ignoring unknown keys and keeping defaults for bad values."""
-        out = cls()
-        if not isinstance(data, dict):
-            return out
-        for f in fields(cls):
-            if f.name not in data:
-                continue
-            value = data[f.name]
-            default = getattr(out, f.name)
-            try:
-                if f.name == "seed":
-                    value = None if value in (None, "") else int(value)
-                elif isinstance(default, bool):
-                    value = bool(value)
-                elif isinstance(default, int):
-                    value = int(value)
-                elif isinstance(default, float):
-                    value = float(value)
-            except (TypeError, ValueError):
-                continue
-            setattr(out, f.name, value)
-        return out
-
-
-@dataclass
 class ChatSettings:
-    """Per-chat settings: the system prompt and sampling."""
+    """Per-chat settings: the system prompt and sampling (the engine's own SamplingParams)."""
 
     system_prompt: str = ""
-    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"system_prompt": self.system_prompt, "sampling": self.sampling.to_dict()}
+        return to_json(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> ChatSettings:
-        if not isinstance(data, dict):
-            return cls()
-        prompt = data.get("system_prompt", "")
-        return cls(
-            system_prompt=prompt if isinstance(prompt, str) else "",
-            sampling=SamplingSettings.from_dict(data.get("sampling")),
-        )
+        return from_json(cls, data)
 
 
 @dataclass

@@ -7,10 +7,12 @@ front end.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from app.core.records import ChatSettings, Message, Status, new_id
+from engine import FinishReason, Usage
 
 TITLE_LENGTH = 48
 DEFAULT_TITLE = "New Chat"
@@ -22,31 +24,19 @@ def title_from(text: str) -> str:
     return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
 
 
-def status_for(reason: Any, quitting: bool) -> str:
+_STATUS_OF = {FinishReason.STOP: Status.COMPLETE, FinishReason.LENGTH: Status.LENGTH}
+
+
+def status_for(reason: FinishReason, quitting: bool) -> str:
     """The message status a finish reason leaves (a cancel while quitting is an interruption)."""
-    value = getattr(reason, "value", reason)
-    if value == "stop":
-        return Status.COMPLETE
-    if value == "length":
-        return Status.LENGTH
-    if value == "cancelled":
+    if reason == FinishReason.CANCELLED:
         return Status.INTERRUPTED if quitting else Status.STOPPED
-    return Status.ERROR
+    return _STATUS_OF.get(reason, Status.ERROR)
 
 
-def usage_dict(usage: Any) -> dict[str, Any]:
+def usage_dict(usage: Usage | None) -> dict[str, Any]:
     """The engine's Usage as the JSON kept in a reply's meta."""
-    if usage is None:
-        return {}
-    keys = (
-        "prompt_tokens",
-        "cached_prompt_tokens",
-        "generated_tokens",
-        "time_to_first_token_s",
-        "total_time_s",
-        "decode_tokens_per_s",
-    )
-    return {k: getattr(usage, k, None) for k in keys}
+    return dataclasses.asdict(usage) if usage is not None else {}
 
 
 def prompt_messages(system_prompt: str, path: list[Message]) -> list[dict[str, str]]:

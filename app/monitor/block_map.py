@@ -85,6 +85,7 @@ class BlockMap(QWidget):
         self._decode: Callable[[tuple[int, ...]], str] | None = None
         self._palette: cell_colors.Palette | None = None
         self._color_signature: tuple[int, ...] = ()
+        self._color_of: Callable[[str], QColor] = colors.accent_color
         self._palette_version = 0
         self._plan: Any = None
         self._image: QImage | None = None
@@ -108,6 +109,11 @@ class BlockMap(QWidget):
     def set_name_resolver(self, name: Callable[[str], str]) -> None:
         """How a session id is shown (the chat title when the app knows it)."""
         self._name = name
+
+    def set_color_resolver(self, color_of: Callable[[str], QColor]) -> None:
+        """A session id's accent colour (the chat's, as the app shows it)."""
+        self._color_of = color_of
+        self._replan()
 
     def set_decoder(self, decode: Callable[[tuple[int, ...]], str] | None) -> None:
         """Token ids -> text for tooltips (the engine's public `decode`)."""
@@ -238,9 +244,11 @@ class BlockMap(QWidget):
             self._invalidate()
             return
         palette = self._palette
-        signature = tuple(colors.color_index(sid) for sid in self.sessions.ids)
+        signature = tuple(self._color_of(sid).rgba() for sid in self.sessions.ids)
         if palette is None or signature != self._color_signature:
-            palette = self._palette = style.map_palette(self.palette(), self.sessions.ids)
+            palette = self._palette = style.map_palette(
+                self.palette(), self.sessions.ids, self._color_of
+            )
             self._color_signature = signature
             self._palette_version += 1
         highlight = None
@@ -496,7 +504,9 @@ class BlockMap(QWidget):
 
     def paintEvent(self, event: QPaintEvent) -> None:
         p = QPainter(self)
-        palette = self._palette or style.map_palette(self.palette(), self.sessions.ids)
+        palette = self._palette or style.map_palette(
+            self.palette(), self.sessions.ids, self._color_of
+        )
         p.fillRect(event.rect(), style.from_rgb32(palette.background))
         g = self._grid
         if self._state is None or g is None or self._plan is None:

@@ -1,83 +1,48 @@
-"""What the monitor needs to know about the app's chats: titles, pane focus, pane hover.
+"""What the monitor needs to know about the app's chats: titles, colours, focus, hover.
 
-The engine only knows session ids. The main window knows the chats (`all_sessions()`), their
-panes (`pane_for(id)`, `panes`, `focus_pane(i)`); this adapter reads those public members
-without the window having to know about the monitor, and watches pane hover with an event
-filter (Enter / Leave), so no chat code changes. Without a window (tests, tools) titles fall
-back to session ids and focusing does nothing.
+The engine only knows session ids. Whoever shows the chats (the main window) hands the
+monitor an object of the `Chats` protocol; the monitor asks it and never looks for the
+window itself. Without one (tests, tools) `NoChats` stands in: titles fall back to session
+ids, colours to the shared palette, and focusing does nothing.
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import Any
+from typing import Any, Protocol
 
-from PySide6.QtCore import QEvent, QObject, Signal
+from PySide6.QtCore import QObject, Signal
+from PySide6.QtGui import QColor
+
+from app import colors
 
 
-class ChatDirectory(QObject):
-    paneHovered = Signal(object)  # session id of the hovered pane, or None on leave
-
-    def __init__(self, window: Any = None, parent: QObject | None = None) -> None:
-        super().__init__(parent)
-        self._window = window
-        self._watched: weakref.WeakSet[QObject] = weakref.WeakSet()
-        self._hovered: str | None = None
+class Chats(Protocol):
+    """The app's chats as the monitor sees them."""
 
     @property
-    def window(self) -> Any:
-        return self._window
+    def chatHovered(self) -> Any:  # noqa: N802 - a Qt signal: emits a session id or None
+        """Emitted with the session id of the chat under the pointer, None when it leaves."""
 
-    def title(self, session_id: str) -> str:
-        """The chat's title, or its session id when the app does not know the session."""
-        sessions = self._sessions()
-        session = sessions.get(session_id)
-        title = getattr(session, "title", None)
-        return str(title) if title else session_id
+    def chat_title(self, session_id: str) -> str | None:
+        """The chat's title, None when the app does not know the session."""
 
-    def _sessions(self) -> dict[str, Any]:
-        w = self._window
-        if w is None or not hasattr(w, "all_sessions"):
-            return {}
-        try:
-            return dict(w.all_sessions())
-        except Exception:
-            return {}
+    def chat_color(self, session_id: str) -> QColor:
+        """The chat's accent colour (its pane's, its blocks')."""
 
-    def focus(self, session_id: str) -> bool:
+    def focus_chat(self, session_id: str) -> bool:
         """Focus the pane showing this chat; False when it is not open in a pane."""
-        w = self._window
-        pane = w.pane_for(session_id) if w is not None and hasattr(w, "pane_for") else None
-        if pane is None:
-            return False
-        panes = list(getattr(w, "panes", []))
-        if pane in panes and hasattr(w, "focus_pane"):
-            w.focus_pane(panes.index(pane))
-        else:
-            pane.setFocus()
-        return True
 
-    def watch_panes(self) -> None:
-        """Install the hover filter on panes opened since the last call (cheap to repeat)."""
-        w = self._window
-        for pane in list(getattr(w, "panes", []) if w is not None else []):
-            if pane not in self._watched:
-                pane.installEventFilter(self)
-                self._watched.add(pane)
 
-    @property
-    def hovered(self) -> str | None:
-        return self._hovered
+class NoChats(QObject):
+    """The Chats of a monitor shown without the app (never hovers, never focuses)."""
 
-    def eventFilter(self, obj: QObject, event: QEvent) -> bool:
-        kind = event.type()
-        if kind == QEvent.Type.Enter:
-            session = getattr(obj, "session", None)
-            sid = getattr(session, "id", None)
-            if sid != self._hovered:
-                self._hovered = sid
-                self.paneHovered.emit(sid)
-        elif kind == QEvent.Type.Leave and self._hovered is not None:
-            self._hovered = None
-            self.paneHovered.emit(None)
+    chatHovered = Signal(object)
+
+    def chat_title(self, session_id: str) -> str | None:
+        return None
+
+    def chat_color(self, session_id: str) -> QColor:
+        return colors.accent_color(session_id)
+
+    def focus_chat(self, session_id: str) -> bool:
         return False

@@ -118,8 +118,11 @@ def _swatch(color: QColor, size: int = 12) -> QIcon:
 class LegendModel(QAbstractTableModel):
     """Rows of per-chat stats, in order of first appearance."""
 
-    def __init__(self, parent: Any = None) -> None:
+    def __init__(
+        self, parent: Any = None, color_of: Callable[[str], QColor] = colors.accent_color
+    ) -> None:
         super().__init__(parent)
+        self.color_of = color_of  # a chat's accent colour, as the app shows it
         self._rows: list[Row] = []
         self._icons: dict[str, QIcon] = {}
         self.warning = QColor("#E5484D")
@@ -236,7 +239,7 @@ class LegendModel(QAbstractTableModel):
                 return None
             icon = self._icons.get(row.session_id)
             if icon is None:
-                icon = self._icons[row.session_id] = _swatch(colors.accent_color(row.session_id))
+                icon = self._icons[row.session_id] = _swatch(self.color_of(row.session_id))
             return icon
         if role == _TOOLTIP:
             if col == STATE:
@@ -312,7 +315,7 @@ class ChatCellDelegate(QStyledItemDelegate):
         painter.save()
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
         painter.setPen(Qt.PenStyle.NoPen)
-        painter.setBrush(colors.accent_color(str(sid)))
+        painter.setBrush(model.color_of(str(sid)))
         fm = QFontMetrics(title_font)
         painter.drawRoundedRect(QRect(rect.left(), rect.top() + (fm.height() - 10) // 2, 10, 10),
                                 3, 3)

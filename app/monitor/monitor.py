@@ -3,7 +3,8 @@
 The panel only reads immutable `PoolSnapshot`s that the bridge polls at 10 Hz
 (`snapshotUpdated`), so it can never block or slow the engine thread. It wires the parts
 together: selecting a chat (legend row or one of its blocks) highlights its blocks and focuses
-its pane; hovering a pane or a legend row highlights that chat while the pointer stays.
+its pane; hovering a pane or a legend row highlights that chat while the pointer stays. What it
+knows of the chats (titles, colours, focus, pane hover) it asks the Chats it is handed.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import colors
 from app.monitor.block_map import BlockMap, BlockMapArea
-from app.monitor.chats import ChatDirectory
+from app.monitor.chats import Chats, NoChats
 from app.monitor.counters import (
+    MIB,
     CapacityBar,
     CountersWidget,
     PoolCounters,
@@ -38,7 +39,7 @@ from app.monitor.legend import LegendModel, LegendView
 from app.monitor.pool_state import PoolState
 from app.monitor.timeline import TimelineWidget
 
-WAITING, CONTENT, NOT_PAGED = range(3)
+WAITING, CONTENT = range(2)
 
 
 def _heading(text: str) -> QLabel:
@@ -80,7 +81,7 @@ def _small(label: QLabel, scale: float = 0.9) -> QLabel:
 
 class MonitorPanel(QWidget):
     def __init__(
-        self, bridge: Any, directory: ChatDirectory | None = None, parent: QWidget | None = None
+        self, bridge: Any, chats: Chats | None = None, parent: QWidget | None = None
     ) -> None:
         super().__init__(parent)
         self.setObjectName("kvMonitor")
@@ -88,16 +89,16 @@ class MonitorPanel(QWidget):
         self.setBackgroundRole(QPalette.ColorRole.Base)
         self.setAutoFillBackground(True)
         self.bridge = bridge
-        self.directory = directory or ChatDirectory(None, self)
+        self.chats: Chats = chats if chats is not None else NoChats(self)
         self._snap: Any = None
         self._counters: PoolCounters | None = None
         self._state: PoolState | None = None
         self._selected: str | None = None
         self._hovered: str | None = None
         self._build()
-        self.directory.paneHovered.connect(self._pane_hovered)
+        self.chats.chatHovered.connect(self._pane_hovered)
         bridge.snapshotUpdated.connect(self.show_snapshot)
-        if getattr(bridge, "latest_snapshot", None) is not None:
+        if bridge.latest_snapshot is not None:
             self.show_snapshot(bridge.latest_snapshot)
 
     def sizeHint(self) -> QSize:
@@ -144,7 +145,8 @@ class MonitorPanel(QWidget):
         self.capacity = CapacityBar()
         v.addWidget(self.capacity)
         self.block_map = BlockMap()
-        self.block_map.set_name_resolver(self.directory.title)
+        self.block_map.set_name_resolver(self.title)
+        self.block_map.set_color_resolver(self.chats.chat_color)
         self.block_map.set_decoder(self._decode)
         self.map_area = BlockMapArea(self.block_map)
         self.map_area.setBackgroundRole(QPalette.ColorRole.Base)
@@ -154,7 +156,7 @@ class MonitorPanel(QWidget):
 
         v.addSpacing(6)
         v.addWidget(_heading("Chats"))
-        self.legend_model = LegendModel(self)
+        self.legend_model = LegendModel(self, color_of=self.chats.chat_color)
         self.legend = LegendView(self.legend_model)
         self.legend.setBackgroundRole(QPalette.ColorRole.Base)
         v.addWidget(self.legend)
@@ -173,14 +175,6 @@ class MonitorPanel(QWidget):
         self.timeline = TimelineWidget()
         self.timeline.setFixedHeight(112)
         v.addWidget(self.timeline)
-
-        self.not_paged_label = QLabel()
-        self.not_paged_label.setObjectName("monitorNotPaged")
-        self.not_paged_label.setWordWrap(True)
-        self.not_paged_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        self.not_paged_label.setMargin(24)
-        self.not_paged_label.setAccessibleName("KV monitor unavailable")
-        self.pages.addWidget(self.not_paged_label)
 
         self.zoom_out_button.clicked.connect(self.block_map.zoom_out)
         self.zoom_fit_button.clicked.connect(self.block_map.zoom_fit)
@@ -211,9 +205,6 @@ class MonitorPanel(QWidget):
         if snap is None:
             self.pages.setCurrentIndex(WAITING)
             return
-        if not getattr(snap, "paged", True):
-            self._show_not_paged(snap)
-            return
         if self.pages.currentIndex() != CONTENT:
             self.pages.setCurrentIndex(CONTENT)
         if snap is not self._snap:
@@ -230,9 +221,8 @@ class MonitorPanel(QWidget):
     def _present(self, animate: bool) -> None:
         """Bring the map, legend, counters and summary in line with the latest snapshot."""
         snap, state, c = self._snap, self._state, self._counters
-        if snap is None or state is None or c is None or not getattr(snap, "paged", True):
+        if snap is None or state is None or c is None:
             return
-        self.directory.watch_panes()
         if self.block_map.snapshot is not snap:
             self.block_map.set_snapshot(snap, state, animate=animate)
             self.counters.set_counters(c)
@@ -244,7 +234,7 @@ class MonitorPanel(QWidget):
             )
             if described != self.block_map.accessibleDescription():
                 self.block_map.setAccessibleDescription(described)
-        self.legend_model.update_from(snap, self.directory.title)
+        self.legend_model.update_from(snap, self.title)
 
     def showEvent(self, event: Any) -> None:
         super().showEvent(event)
@@ -254,32 +244,20 @@ class MonitorPanel(QWidget):
         """The derived state of the snapshot the map shows (None before the first one)."""
         return self.block_map.state
 
-    def _show_not_paged(self, snap: Any) -> None:
-        model = getattr(snap, "model_name", "") or "This model"
-        self.not_paged_label.setText(
-            f"<b>{model}</b> runs on mlx-lm's own KV cache: its architecture is not in the "
-            "list proven to run on the paged pool, so there are no blocks to show.<br><br>"
-            "Chats still stream and batch; block sharing, the prefix cache and this map "
-            "need a paged model (llama, qwen2, qwen3, mistral, phi3, gemma)."
-        )
-        self.pages.setCurrentIndex(NOT_PAGED)
-        self._snap = snap
-
     def _update_capacity(self, state: PoolState) -> None:
         used = state.primary[state.used_mask()]
         counts = np.bincount(used[used >= 0], minlength=len(self.block_map.sessions))
         ids = self.block_map.sessions.ids
         segments = [
-            (colors.accent_color(ids[i]), int(n)) for i, n in enumerate(counts.tolist()) if n
+            (self.chats.chat_color(ids[i]), int(n)) for i, n in enumerate(counts.tolist()) if n
         ]
         cached = self._counters.cached if self._counters is not None else 0
         self.capacity.set_segments(segments, cached, state.num_blocks)
 
     def _update_summary(self, snap: Any) -> None:
-        per_block = snap.bytes_per_block / (1024 * 1024)
         text = (
             f"{snap.num_blocks:,} × {snap.block_size} tok · "
-            f"{fmt_mib(per_block * snap.num_blocks)}"
+            f"{fmt_mib(snap.bytes_per_block * snap.num_blocks / MIB)}"
         )
         if text != self.summary.text():
             self.summary.setText(text)
@@ -301,8 +279,12 @@ class MonitorPanel(QWidget):
         self.zoom_fit_button.setEnabled(g.zoom > 0)
 
     def _decode(self, tokens: tuple[int, ...]) -> str:
-        engine = getattr(self.bridge, "engine", None)
+        engine = self.bridge.engine
         return engine.decode(tokens) if engine is not None else ""
+
+    def title(self, session_id: str) -> str:
+        """The chat's title, or its session id when the app does not know the session."""
+        return self.chats.chat_title(session_id) or session_id
 
     # ---- selection and hover ---------------------------------------------------------------
 
@@ -312,13 +294,13 @@ class MonitorPanel(QWidget):
         self.legend.select_session(session_id)
         self._apply_highlight()
         if session_id is not None and focus_pane:
-            self.directory.focus(session_id)
+            self.chats.focus_chat(session_id)
 
     def _legend_clicked(self, session_id: str | None) -> None:
         self._selected = session_id
         self._apply_highlight()
         if session_id is not None:
-            self.directory.focus(session_id)
+            self.chats.focus_chat(session_id)
 
     def _legend_hovered(self, session_id: str | None) -> None:
         self._hovered = session_id

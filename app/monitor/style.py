@@ -7,7 +7,7 @@ makes a theme switch a simple re-derivation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from PySide6.QtGui import QColor, QPalette
 
@@ -48,7 +48,11 @@ def muted_text(palette: QPalette) -> QColor:
     return QColor(palette.color(QPalette.ColorRole.PlaceholderText))
 
 
-def map_palette(palette: QPalette, session_ids: Iterable[str]) -> Palette:
+def map_palette(
+    palette: QPalette,
+    session_ids: Iterable[str],
+    color_of: Callable[[str], QColor] = colors.accent_color,
+) -> Palette:
     """The block map's colours for these sessions (in SessionIndex order)."""
     dark = is_dark(palette)
     bg = surface(palette)
@@ -56,7 +60,7 @@ def map_palette(palette: QPalette, session_ids: Iterable[str]) -> Palette:
     background = to_rgb32(bg)
     empty = int(blend(background, to_rgb32(text), 0.075 if dark else 0.065))
     neutral = int(blend(background, to_rgb32(text), 0.45))
-    accents = [to_rgb32(colors.accent_color(sid)) for sid in session_ids]
+    accents = [to_rgb32(color_of(sid)) for sid in session_ids]
     full, pale, cached, hatch = session_tables(accents, background, empty, neutral, dark)
     return Palette(
         background=background,

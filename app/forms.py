@@ -1,0 +1,214 @@
+"""What both settings dialogs are made of: a chat-settings form and a dialog that checks first.
+
+The sampling form is built from the engine's SamplingParams fields, with only the look of each
+field (label, range, step) kept here, keyed by field name: a field the engine adds shows up
+by adding one line to SAMPLING_UI, and a value is valid exactly when the engine accepts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import get_args, get_type_hints
+
+from PySide6.QtWidgets import (
+    QAbstractSpinBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QLabel,
+    QPlainTextEdit,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.core.records import ChatSettings
+from engine import SamplingParams
+
+
+@dataclass(frozen=True)
+class FieldUI:
+    """How one numeric field is shown: `label` has the mnemonic, `name` is for screen readers.
+
+    An optional field (`int | None`) shows None as `low`, with `special` as its text.
+    """
+
+    label: str
+    name: str
+    low: float
+    high: float
+    step: float = 1.0
+    decimals: int = 2
+    special: str = ""
+    tip: str = ""
+
+
+SAMPLING_UI: dict[str, FieldUI] = {
+    "temperature": FieldUI(
+        "&Temperature:", "Temperature", 0.0, 2.0, 0.05,
+        tip="0 is greedy (deterministic); higher is more varied.",
+    ),
+    "top_p": FieldUI("Top &P:", "Top P", 0.01, 1.0, 0.05),
+    "top_k": FieldUI("Top &K:", "Top K", 0, 1000, special="off"),
+    "min_p": FieldUI("&Min P:", "Min P", 0.0, 0.99, 0.01),
+    "repetition_penalty": FieldUI(
+        "&Repetition penalty:", "Repetition penalty", 0.5, 2.0, 0.05
+    ),
+    "max_tokens": FieldUI("Max reply &tokens:", "Maximum reply tokens", 1, 32768),
+    "seed": FieldUI("S&eed:", "Seed", -1, 2**31 - 1, special="random"),
+}
+# Per request, not per chat: `n` is how many alternatives a regenerate asks for, and stop
+# strings are not offered in the app.
+NOT_IN_FORM = frozenset({"n", "stop"})
+
+
+class SamplingForm(QWidget):
+    """A spin box for every SamplingParams field in SAMPLING_UI; `value()` keeps the rest."""
+
+    def __init__(self, sampling: SamplingParams, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._base = sampling
+        self._optional: set[str] = set()
+        self.widgets: dict[str, QAbstractSpinBox] = {}
+        form = QFormLayout(self)
+        form.setContentsMargins(0, 0, 0, 0)
+        hints = get_type_hints(SamplingParams)
+        for f in dataclasses.fields(SamplingParams):
+            ui = SAMPLING_UI.get(f.name)
+            if ui is None:
+                continue
+            kind = hints[f.name]
+            if type(None) in get_args(kind):
+                self._optional.add(f.name)
+                (kind,) = [a for a in get_args(kind) if a is not type(None)]
+            w = _spin_box(kind, ui)
+            value = getattr(sampling, f.name)
+            w.setValue(ui.low if value is None else value)
+            self.widgets[f.name] = w
+            form.addRow(ui.label, w)
+
+    def __getattr__(self, name: str) -> QAbstractSpinBox:
+        """The spin box of a field by its name (form.temperature), as tests and users see it."""
+        widgets = self.__dict__.get("widgets", {})
+        if name in widgets:
+            return widgets[name]
+        raise AttributeError(name)
+
+    def values(self) -> dict[str, object]:
+        """What the boxes hold, by field name (None for an optional box at its special value)."""
+        out: dict[str, object] = {}
+        for name, w in self.widgets.items():
+            v = w.value()
+            out[name] = None if name in self._optional and v <= w.minimum() else v
+        return out
+
+    def value(self) -> SamplingParams:
+        """The edited SamplingParams (raises ValueError when the engine refuses the values)."""
+        return dataclasses.replace(self._base, **self.values())
+
+    def error(self) -> str | None:
+        """The engine's own complaint about the values in the boxes, or None."""
+        try:
+            self.value()
+        except (TypeError, ValueError) as exc:
+            return str(exc)
+        return None
+
+
+def _spin_box(kind: type, ui: FieldUI) -> QAbstractSpinBox:
+    w: QAbstractSpinBox
+    if kind is float:
+        w = QDoubleSpinBox()
+        w.setDecimals(ui.decimals)
+        w.setSingleStep(ui.step)
+    else:
+        w = QSpinBox()
+    w.setRange(ui.low, ui.high)  # type: ignore[attr-defined]
+    w.setAccessibleName(ui.name)
+    if ui.special:
+        w.setSpecialValueText(ui.special)
+    if ui.tip:
+        w.setToolTip(ui.tip)
+    return w
+
+
+class ChatSettingsForm(QWidget):
+    """A system prompt box above the sampling form: a chat's settings, or the defaults."""
+
+    def __init__(
+        self,
+        settings: ChatSettings,
+        label: str,
+        accessible_name: str,
+        height: int,
+        placeholder: str = "",
+        parent: QWidget | None = None,
+    ) -> None:
+        super().__init__(parent)
+        v = QVBoxLayout(self)
+        v.setContentsMargins(0, 0, 0, 0)
+        caption = QLabel(label)
+        self.system_prompt = QPlainTextEdit(settings.system_prompt)
+        self.system_prompt.setAccessibleName(accessible_name)
+        self.system_prompt.setPlaceholderText(placeholder)
+        self.system_prompt.setTabChangesFocus(True)
+        self.system_prompt.setFixedHeight(height)
+        caption.setBuddy(self.system_prompt)
+        v.addWidget(caption)
+        v.addWidget(self.system_prompt)
+        self.sampling = SamplingForm(settings.sampling)
+        v.addWidget(self.sampling)
+
+    def value(self) -> ChatSettings:
+        """The edited settings (raises ValueError when the engine refuses the sampling)."""
+        return ChatSettings(
+            system_prompt=self.system_prompt.toPlainText(), sampling=self.sampling.value()
+        )
+
+
+class CheckedDialog(QDialog):
+    """Content above an error line and OK/Cancel; OK closes only when `problem()` is None.
+
+    Subclasses put their content in `self.body` and say what is wrong in `problem()`.
+    """
+
+    def __init__(
+        self, title: str, accessible_name: str, min_width: int, parent: QWidget | None = None
+    ) -> None:
+        super().__init__(parent)
+        self.setWindowTitle(title)
+        self.setAccessibleName(accessible_name)
+        self.setMinimumWidth(min_width)
+        layout = QVBoxLayout(self)
+        self.body = QVBoxLayout()
+        self.body.setContentsMargins(0, 0, 0, 0)
+        layout.addLayout(self.body)
+        self.error = QLabel()
+        self.error.setObjectName("errorLabel")
+        self.error.setWordWrap(True)
+        self.error.setAccessibleName(f"{accessible_name} error")
+        self.error.hide()
+        layout.addWidget(self.error)
+        buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
+        )
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        layout.addWidget(buttons)
+
+    def problem(self) -> str | None:
+        """Why the values cannot be taken, in words (None: they can)."""
+        return None
+
+    def show_error(self, text: str) -> None:
+        self.error.setText(text)
+        self.error.show()
+
+    def accept(self) -> None:
+        problem = self.problem()
+        if problem:
+            self.show_error(problem)
+            return
+        super().accept()

@@ -1,0 +1,64 @@
+"""Admission: from a submitted conversation to a request the scheduler can run, or a refusal.
+
+Runs on the engine thread (the tokenizer belongs to it). A request that cannot run gets one
+sentence saying why and what to do, and never reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.config import SamplingParams
+from engine.handle import RequestHandle
+from engine.sampling import new_key
+from engine.sequence import Request, Sequence
+
+
+def apply_template(tokenizer: Any, messages: list[dict],
+                   add_generation_prompt: bool = True) -> list[int]:
+    """The model's chat template when it has one, else a plain "role: content" layout."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt))
+    text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    return list(tokenizer.encode(text + ("\nassistant:" if add_generation_prompt else "")))
+
+
+def admit(
+    request_id: str,
+    session_id: str,
+    messages: list[dict] | None,
+    prompt_tokens: list[int] | None,
+    params: SamplingParams,
+    handle: RequestHandle,
+    tokenizer: Any,
+    max_context: int,
+) -> tuple[Request, str | None]:
+    """The request with one sequence per sample, and None; or the request and why it cannot
+    run (its prompt is set whenever it could be built, for the usage of the refusal)."""
+    request = Request(request_id, session_id, params, [], handle)
+    try:
+        prompt = apply_template(tokenizer, messages) if messages is not None else prompt_tokens
+    except Exception as e:
+        return request, f"the conversation could not be formatted for this model: {e}"
+    request.prompt = prompt
+    if len(prompt) >= max_context:
+        return request, (
+            f"the prompt is {len(prompt)} tokens but the model's context limit is "
+            f"{max_context}: shorten the conversation or start a new chat"
+        )
+    vocab = max(tokenizer.vocab_size, len(tokenizer))
+    if any(t < 0 or t >= vocab for t in prompt):
+        return request, "the prompt holds token ids outside the model's vocabulary"
+    for index in range(params.n):
+        request.sequences.append(
+            Sequence(
+                request=request,
+                index=index,
+                tokens=list(prompt),
+                num_prompt=len(prompt),
+                key=None if params.greedy else new_key(params.seed, index),
+                detokenizer=tokenizer.detokenizer,
+            )
+        )
+    return request, None

@@ -1,0 +1,123 @@
+"""From sampled tokens to events: acceptance, EOS, stop strings, max_tokens, finishing, usage.
+
+Every sequence ends here exactly once (``finish`` is idempotent), with one final event after
+its last token event, and its blocks are handed back to the scheduler at that moment.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.events import FinalEvent, FinishReason, SequenceState, TokenEvent, Usage
+from engine.handle import RequestHandle
+from engine.scheduler import Scheduler
+from engine.sequence import Request, Sequence
+from engine.telemetry import Telemetry
+
+
+class Output:
+    """The live requests, and the rules that turn their tokens into events."""
+
+    def __init__(self, scheduler: Scheduler, telemetry: Telemetry, eos_ids: set[int],
+                 max_context: int) -> None:
+        self.scheduler = scheduler
+        self.telemetry = telemetry
+        self.eos_ids = eos_ids
+        self.max_context = max_context
+        self.requests: dict[str, Request] = {}
+
+    def accept_token(self, seq: Sequence, token: int) -> None:
+        """Append a sampled token, then emit it or end the sequence (EOS, stop, length)."""
+        if seq.finished:
+            return
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.tokens.append(token)
+        self.telemetry.token(seq.session_id, now)
+        params = seq.request.params
+        if token in self.eos_ids:
+            seq.detokenizer.finalize()
+            self._emit_and_finish(seq, seq.detokenizer.text, [token], FinishReason.STOP)
+            return
+        seq.detokenizer.add_token(token)
+        text = seq.detokenizer.text
+        for stop in params.stop:
+            at = text.find(stop, max(0, seq.emitted_chars - len(stop)))
+            if at >= 0:
+                self._emit_and_finish(seq, text[:at], [token], FinishReason.STOP)
+                return
+        if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.max_context:
+            seq.detokenizer.finalize()
+            self._emit_and_finish(seq, seq.detokenizer.text, [token], FinishReason.LENGTH)
+            return
+        # Hold back what could still become a stop string, so it is never shown.
+        hold = max((len(s) - 1 for s in params.stop), default=0)
+        self._emit(seq, text[: len(text) - hold] if hold else text, [token])
+
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """End one sequence (no-op if it has ended): free its blocks, send its final event."""
+        if seq.finished:
+            return
+        self.scheduler.remove(seq)
+        seq.state = SequenceState.FINISHED
+        seq.finish_reason = reason
+        request = seq.request
+        request.handle._push(FinalEvent(
+            request.request_id, seq.session_id, seq.index, reason, seq.text,
+            usage(request, seq.num_generated, seq), error,
+        ))
+        if seq.index == 0 and not request.forked:
+            for sibling in request.sequences[1:]:  # they would have forked from this one
+                self.finish(sibling, reason, error)
+        if request.finished:
+            self.requests.pop(request.request_id, None)
+
+    def finish_request(self, request: Request, reason: FinishReason,
+                       error: str | None = None) -> None:
+        for seq in request.sequences:
+            self.finish(seq, reason, error)
+        self.requests.pop(request.request_id, None)
+
+    def finish_all(self, reason: FinishReason, error: str | None = None) -> None:
+        for request in list(self.requests.values()):
+            self.finish_request(request, reason, error)
+
+    def _emit(self, seq: Sequence, text: str, token_ids: list[int]) -> None:
+        delta = text[seq.emitted_chars :]
+        seq.emitted_chars = max(seq.emitted_chars, len(text))
+        seq.text = text
+        seq.request.handle._push(
+            TokenEvent(seq.request.request_id, seq.session_id, seq.index, delta, tuple(token_ids))
+        )
+
+    def _emit_and_finish(self, seq: Sequence, text: str, token_ids: list[int],
+                         reason: FinishReason) -> None:
+        self._emit(seq, text, token_ids)
+        seq.text = text
+        self.finish(seq, reason)
+
+
+def refuse(handle: RequestHandle, n: int, reason: FinishReason, message: str | None,
+           request: Request | None = None) -> None:
+    """End every sample of a request that never ran (rejected, or the engine cannot serve)."""
+    spent = time.perf_counter() - request.arrival if request is not None else 0.0
+    prompt = len(request.prompt) if request is not None else 0
+    empty = Usage(prompt, 0, 0, None, spent, 0.0)
+    for index in range(n):
+        handle._push(FinalEvent(handle.request_id, handle.session_id, index, reason, "", empty,
+                                message))
+
+
+def usage(request: Request, generated: int, seq: Sequence) -> Usage:
+    now = time.perf_counter()
+    first = seq.first_token_time
+    decode_s = now - first if first is not None else 0.0
+    return Usage(
+        prompt_tokens=len(request.prompt),
+        cached_prompt_tokens=request.cached_prompt_tokens,
+        generated_tokens=generated,
+        time_to_first_token_s=(first - request.arrival) if first is not None else None,
+        total_time_s=now - request.arrival,
+        decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0.0,
+    )
