@@ -11,6 +11,7 @@ time the GUI thread spends inside each store write is measured and held to the s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -262,12 +263,12 @@ class StorageTime:
         store.writer.write = timed
 
 
-def _stream_into(qtbot, store: Store, conv_id: str, seconds: float) -> str:
+def _stream_into(qtbot, store: Store, conv_id: str, seconds: float, rid: str) -> str:
     """What a streaming chat does: a 20 ms timer growing a reply and saving it, on the GUI
-    thread, while a 10 ms probe timer measures how late the event loop runs."""
+    thread, while the caller's probe timer measures how late the event loop runs."""
     from PySide6.QtCore import QTimer
 
-    reply = Message(id="r", conversation_id=conv_id, parent_id=None, role="assistant",
+    reply = Message(id=rid, conversation_id=conv_id, parent_id=None, role="assistant",
                     content="", status=Status.STREAMING)
     timer = QTimer()
     timer.setInterval(20)
@@ -276,25 +277,44 @@ def _stream_into(qtbot, store: Store, conv_id: str, seconds: float) -> str:
         if not reply.content:
             store.add_message(reply)
         reply.content += "token "
-        store.update_message("r", content=reply.content)
+        store.update_message(rid, content=reply.content)
 
     timer.timeout.connect(grow)
     timer.start()
     qtbot.wait(int(seconds * 1000))
     timer.stop()
-    store.update_message("r", content=reply.content, status=Status.COMPLETE)
+    store.update_message(rid, content=reply.content, status=Status.COMPLETE)
     return reply.content
+
+
+def _check_no_stall(qtbot, store: Store, conv_id: str, fault) -> str:
+    """Stream once healthy (the machine's own lateness), once during `fault`; the fault may
+    add no stall over 100 ms: no write holds the GUI thread that long, and the event loop
+    is never later than STALL_MS beyond the healthy run's worst (on a quiet machine that is
+    a few ms, so the bound is about 100 ms; on a loaded one it is not the storage's noise)."""
+    with LatenessProbe() as healthy:
+        _stream_into(qtbot, store, conv_id, 1.0, "healthy")
+    spent = StorageTime(store)
+    with fault(), LatenessProbe() as probe:
+        text = _stream_into(qtbot, store, conv_id, 1.5, "r")
+        assert not store.save_state.ok
+    assert spent.worst_ms < STALL_MS, f"a write held the GUI thread {spent.worst_ms:.0f} ms"
+    assert probe.worst_ms < STALL_MS + healthy.worst_ms, (
+        f"the event loop ran {probe.worst_ms:.0f} ms late during the fault "
+        f"({healthy.worst_ms:.0f} ms without it)"
+    )
+    assert probe.ticks > 50 and spent.calls > 50
+    return text
 
 
 def test_event_loop_never_stalls_while_another_process_holds_the_lock(qtbot, tmp_path):
     store = Store(tmp_path)
     conv = store.create_conversation()
     states = SaveStates(store)
-    with locked_by_another_process(tmp_path / DB_NAME), LatenessProbe() as probe:
-        text = _stream_into(qtbot, store, conv.id, 1.5)
-        assert store.save_state.problem == "the database is locked by another program"
-    assert probe.ticks > 50
-    assert probe.worst_ms < STALL_MS, f"the event loop ran {probe.worst_ms:.0f} ms late"
+    text = _check_no_stall(
+        qtbot, store, conv.id, lambda: locked_by_another_process(tmp_path / DB_NAME)
+    )
+    assert states.seen[0].problem == "the database is locked by another program"
     assert states.recovered.wait(60)
     store.close()
     assert read_messages(tmp_path)["r"][2] == text
@@ -302,17 +322,21 @@ def test_event_loop_never_stalls_while_another_process_holds_the_lock(qtbot, tmp
 
 def test_event_loop_never_stalls_while_the_disk_is_full(qtbot, tmp_path):
     disk = TinyDisk(tmp_path)
+
+    @contextlib.contextmanager
+    def full():
+        disk.fill()
+        try:
+            yield
+        finally:
+            disk.free()
+
     try:
         store = Store(disk.data)
         conv = store.create_conversation()
         states = SaveStates(store)
-        disk.fill()
-        with LatenessProbe() as probe:
-            text = _stream_into(qtbot, store, conv.id, 1.5)
-            assert store.save_state.problem in ("disk full", "a disk read or write failed")
-        disk.free()
-        assert probe.ticks > 50
-        assert probe.worst_ms < STALL_MS, f"the event loop ran {probe.worst_ms:.0f} ms late"
+        text = _check_no_stall(qtbot, store, conv.id, full)
+        assert states.seen[0].problem in ("disk full", "a disk read or write failed")
         assert states.recovered.wait(60)
         store.close()
         assert read_messages(disk.data)["r"][2] == text
