@@ -2,11 +2,13 @@
 
 Garbled page, truncated file, zero-byte file, a folder in the database's place, a read-only
 folder, the database locked by another process, a full disk and a second instance. Each ends
-with a clear message and no readable chat lost. Stalls: while writes fail, the GUI thread's
-event loop must never run a 10 ms QTimer more than 100 ms late (measured with the store saving
-a growing reply from a timer, as a streaming chat does); in the real window, whose own
-rendering is late by more than that on a loaded 2-core machine with or without any fault, the
-time the GUI thread spends inside each store write is measured and held to the same 100 ms.
+with a clear message and no readable chat lost. Stalls: while writes fail, a store saving a
+growing reply from a 20 ms timer (as a streaming chat does) must never hold the GUI thread
+100 ms in one write, and a 10 ms QTimer probe must never run more than 100 ms later than in
+the same loop without the fault (the healthy run measures the machine's own lateness: a few
+ms on a quiet machine, 100+ ms on the loaded shared one). In the real window, whose own
+rendering is that late with or without a fault, the time inside each store write is held to
+100 ms.
 """
 
 from __future__ import annotations
