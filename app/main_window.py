@@ -43,6 +43,7 @@ from app.qt_util import from_b64, to_b64
 from app.server_panel import ServerPanel
 from app.settings_dialog import SettingsDialog
 from app.sidebar import Sidebar
+from app.storage_banner import attach_storage_banner
 from app.theme import theme_manager
 from engine import SamplingParams
 
@@ -73,6 +74,7 @@ class MainWindow(QMainWindow):
         self._closed = False
         self.setUnifiedTitleAndToolBarOnMac(True)
         self._build()
+        self.storage_banner = attach_storage_banner(self)  # save faults, recovered database
         self.actions_by_key = build_actions(self)
         self.theme_actions = {v: self.actions_by_key[f"theme_{v}"] for v, _ in THEMES}
         self.theme_actions.get(self.settings.theme, self.theme_actions["system"]).setChecked(True)

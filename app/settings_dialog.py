@@ -1,8 +1,9 @@
 """Preferences: model, KV pool, defaults for new chats, theme, and the Hugging Face token.
 
-The token field writes only to the OS keychain (app/core/secrets.py); it is never kept in the
-settings database. Every value is checked before the dialog closes (a missing model folder, a
-malformed repo id, bad sampling values), with the problem shown in the dialog.
+The token field writes only to a secure OS keychain, or with none to memory for this run
+(app/core/secrets.py); it is never kept in the settings database. Every value is checked
+before the dialog closes (a missing model folder, a malformed repo id, bad sampling values),
+with the problem shown in the dialog.
 """
 
 from __future__ import annotations
@@ -89,10 +90,11 @@ class SettingsDialog(CheckedDialog):
         self.token_edit.setAccessibleName("Hugging Face token")
         self.token_edit.setPlaceholderText("hf_… (only for gated or private repos)")
         t.addRow("&Token:", self.token_edit)
-        note = QLabel(keychain_note())
+        note = QLabel(secrets.storage_note())  # says so when there is no secure keychain
         note.setWordWrap(True)
-        note.setAccessibleName("Where the token is stored")
         note.setObjectName("hint")
+        note.setAccessibleName("Where the token is kept")
+        self.token_note = note
         t.addRow(note)
         v.addWidget(token_box)
 
@@ -184,30 +186,3 @@ class SettingsDialog(CheckedDialog):
                 return str(exc)
             self.token_changed = True
         return None
-
-
-def keychain_note() -> str:
-    """Where a token saved here really goes, named after the keyring backend in use (a
-    plain-text file backend is not "the system keychain")."""
-    import keyring
-
-    backend = keyring.get_keyring()
-    module, name = type(backend).__module__, type(backend).__name__
-    if module.startswith("keyring.backends.fail"):
-        return "No keychain is available here: a token cannot be saved (set HF_TOKEN instead)."
-    if module.startswith("keyrings.alt") or "plaintext" in name.lower():
-        where = getattr(backend, "file_path", "") or "a file"
-        return (
-            f"Stored in {where} by {name}, not in a system keychain: anyone who can read "
-            "your files can read it."
-        )
-    known = {
-        "keyring.backends.macOS": "the macOS Keychain",
-        "keyring.backends.SecretService": "the desktop keyring (Secret Service)",
-        "keyring.backends.kwallet": "KWallet",
-        "keyring.backends.Windows": "the Windows Credential Manager",
-    }
-    for prefix, label in known.items():
-        if module.startswith(prefix):
-            return f"Stored only in {label}."
-    return f"Stored in the keyring backend {name} ({module})."
