@@ -263,6 +263,7 @@ def test_migrates_from_every_earlier_schema(tmp_path, version):
     if version == 1:
         [conv] = store.list_conversations()
         assert (conv.title, conv.active_leaf, conv.color_index) == ("Made by v1", "m2", 3)
+        assert conv.model == ""  # v2: chats made before providers talk to the local engine
         assert store.get_value("app_settings") == {"theme": "dark"}
         reply = store.get_message("m2")
         assert reply.status == "interrupted" and reply.meta["usage"]["prompt_tokens"] == 4

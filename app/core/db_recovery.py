@@ -229,6 +229,7 @@ def _fill(table: str, row: dict[str, Any], now: float) -> dict[str, Any] | None:
         out["updated"] = out["updated"] if out["updated"] is not None else out["created"]
         out["settings"] = out["settings"] if isinstance(out["settings"], str) else "{}"
         out["color_index"] = out["color_index"] if isinstance(out["color_index"], int) else 0
+        out["model"] = out["model"] if isinstance(out["model"], str) else ""
     elif table == "messages":
         if not all(isinstance(out[c], str) for c in ("id", "conversation_id", "role")):
             return None

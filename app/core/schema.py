@@ -57,7 +57,13 @@ def _v1(db: sqlite3.Connection) -> None:
     db.execute("CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
 
 
-MIGRATIONS: list[Migration] = [_v1]
+def _v2(db: sqlite3.Connection) -> None:
+    """Each chat names its model: "" is the local engine's, "<provider id>:<model>" a remote
+    provider's (app/core/providers)."""
+    db.execute("ALTER TABLE conversations ADD COLUMN model TEXT NOT NULL DEFAULT ''")
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2]
 
 # The columns each table must have once migrated (checked after every open: a table of the
 # same name from something else, or a half-applied old schema, is caught here).
@@ -70,6 +76,7 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
         "settings",
         "active_leaf",
         "color_index",
+        "model",
     ),
     "messages": (
         "id",

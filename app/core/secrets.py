@@ -111,6 +111,37 @@ def set_hf_token(token: str | None) -> None:
         raise SecretStoreError(f"Could not use the system keychain: {exc}") from exc
 
 
+def get_secret(user: str) -> str | None:
+    """Any secret kept under `user` (a provider's API key, ...), from the same place as the
+    token: the secure keychain, else this run's memory."""
+    if secure_backend() is None:
+        return _memory.get(user) or None
+    try:
+        return keyring.get_password(SERVICE, user) or None
+    except Exception as exc:  # locked keychain, ...
+        log.warning("keychain unavailable: %s", type(exc).__name__)
+        return None
+
+
+def set_secret(user: str, value: str | None) -> None:
+    """Store (or, for an empty value, delete) the secret kept under `user`."""
+    value = (value or "").strip()
+    if secure_backend() is None:
+        if value:
+            _memory[user] = value
+        else:
+            _memory.pop(user, None)
+        return
+    try:
+        if value:
+            keyring.set_password(SERVICE, user, value)
+        else:
+            with contextlib.suppress(PasswordDeleteError):
+                keyring.delete_password(SERVICE, user)
+    except (KeyringError, RuntimeError, OSError) as exc:
+        raise SecretStoreError(f"Could not use the system keychain: {type(exc).__name__}") from exc
+
+
 def export_hf_token() -> None:
     """Make the stored token visible to huggingface_hub (in this process only)."""
     token = get_hf_token()

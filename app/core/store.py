@@ -171,6 +171,7 @@ class Store:
             settings=settings,
             active_leaf=row["active_leaf"],
             color_index=row["color_index"],
+            model=row["model"] or "",
         )
 
     def list_conversations(self) -> list[Conversation]:
@@ -203,6 +204,10 @@ class Store:
             "UPDATE conversations SET settings=? WHERE id=?",
             (_json(settings.to_dict()), conversation_id),
         )
+
+    def set_chat_model(self, conversation_id: str, model: str) -> None:
+        """Which model the chat talks to ("" = the local engine)."""
+        self._write("UPDATE conversations SET model=? WHERE id=?", (model, conversation_id))
 
     def set_active_leaf(self, conversation_id: str, leaf_id: str | None) -> None:
         self._write("UPDATE conversations SET active_leaf=? WHERE id=?", (leaf_id, conversation_id))
