@@ -35,11 +35,13 @@ from app.confirm import confirm_destructive
 from app.core import secrets
 from app.core.app_settings import AppSettings
 from app.core.generation_defaults import model_defaults
+from app.core.providers import ProviderRegistry
 from app.core.records import ChatSettings
 from app.dock_fit import DockFitter
 from app.monitor import create_monitor_dock
 from app.pane_deck import MAX_PANES, PaneDeck
 from app.qt_util import from_b64, to_b64
+from app.remote_bridge import RemoteBridge
 from app.server_panel import ServerPanel
 from app.settings_dialog import SettingsDialog
 from app.sidebar import Sidebar
@@ -68,7 +70,9 @@ class MainWindow(QMainWindow):
         self.store = store
         self.bridge = bridge
         self.settings = settings or AppSettings.load(store)
-        self.manager = SessionManager(store, bridge, self)
+        self.registry = ProviderRegistry(store)
+        self.remote = RemoteBridge(self.registry, self)
+        self.manager = SessionManager(store, bridge, self, remote=self.remote)
         self._apply_default_chat_settings()
         self._quitting = False
         self._closed = False
@@ -92,6 +96,8 @@ class MainWindow(QMainWindow):
 
     def _build(self) -> None:
         self.sidebar = Sidebar(self.store, self)
+        self.sidebar.model.model_label = self.registry.label
+        self.registry.add_listener(self.sidebar.reload)
         self.workspace = QWidget()
         self.workspace.setObjectName("workspace")
         w = QVBoxLayout(self.workspace)
@@ -157,6 +163,12 @@ class MainWindow(QMainWindow):
 
     def focus_chat(self, session_id: str) -> bool:
         return self.deck.focus_chat(session_id)
+
+    def remote_sessions(self) -> dict[str, Any]:
+        """Monitor rows for the open remote chats: "remote", no blocks of this pool."""
+        ids = [sid for sid, s in self.manager.sessions.items() if s.is_remote
+               and (s.busy or self.pane_for(sid) is not None)]
+        return self.remote.stats(ids)
 
     # ---- panes ---------------------------------------------------------------------------
 
@@ -297,8 +309,11 @@ class MainWindow(QMainWindow):
         self.banner.show_status(status, name, self.bridge.load_error)
         self.model_button.show_status(status, name, self.bridge.model_info)
 
-    def open_settings(self) -> None:
-        dialog = SettingsDialog(self.settings, self)
+    def open_settings(self, tab: str | None = None) -> None:
+        dialog = SettingsDialog(self.settings, self, registry=self.registry)
+        self.settings_dialog = dialog  # tests drive the open dialog
+        if tab == "providers" and dialog.providers_page is not None:
+            dialog.tabs.setCurrentWidget(dialog.providers_page)
         if dialog.exec() == QDialog.DialogCode.Accepted:
             self.apply_settings(dialog.value(), token_changed=dialog.token_changed)
 

@@ -8,6 +8,8 @@ with the problem shown in the dialog.
 
 from __future__ import annotations
 
+from typing import Any
+
 from PySide6.QtWidgets import (
     QButtonGroup,
     QComboBox,
@@ -29,11 +31,13 @@ from app.core import secrets
 from app.core.app_settings import AppSettings
 from app.core.records import ChatSettings
 from app.forms import ChatSettingsForm, CheckedDialog
+from app.providers_page import ProvidersPage
 from engine import BLOCK_SIZES
 
 
 class SettingsDialog(CheckedDialog):
-    def __init__(self, settings: AppSettings, parent: QWidget | None = None) -> None:
+    def __init__(self, settings: AppSettings, parent: QWidget | None = None,
+                 registry: Any = None) -> None:
         super().__init__("Settings", "Settings", 520, parent)
         self._initial = settings
         self.token_changed = False
@@ -43,6 +47,11 @@ class SettingsDialog(CheckedDialog):
         tabs.addTab(self._model_tab(settings), "&Model")
         tabs.addTab(self._defaults_tab(settings), "&New Chats")
         tabs.addTab(self._appearance_tab(settings), "&Appearance")
+        self.tabs = tabs
+        self.providers_page: ProvidersPage | None = None
+        if registry is not None:  # applied at once (keys go straight to the keychain)
+            self.providers_page = ProvidersPage(registry)
+            tabs.addTab(self.providers_page, "&Providers")
         self._kind_changed()
 
     # ---- tabs ----------------------------------------------------------------------------

@@ -55,6 +55,7 @@ ConvIdRole = Qt.ItemDataRole.UserRole + 1
 UpdatedRole = Qt.ItemDataRole.UserRole + 2
 BusyRole = Qt.ItemDataRole.UserRole + 3
 StartedRole = Qt.ItemDataRole.UserRole + 4  # written in or named (else not listed yet)
+ModelRole = Qt.ItemDataRole.UserRole + 5  # the chat's remote model ("" for the local one)
 
 
 def relative_time(ts: float, now: float | None = None) -> str:
@@ -75,6 +76,8 @@ class ConversationListModel(QAbstractListModel):
         self.store = store
         self._items: list[Conversation] = []
         self._busy: set[str] = set()
+        # a chat's model reference -> its label ("model @ provider"); set by the window
+        self.model_label: Any = None
         self.reload()
 
     def reload(self) -> None:
@@ -99,11 +102,16 @@ class ConversationListModel(QAbstractListModel):
         c = self._items[index.row()]
         if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.EditRole):
             return c.title
+        if role == ModelRole:
+            return self.model_label(c.model) if (c.model and self.model_label) else ""
         if role == Qt.ItemDataRole.ToolTipRole:
-            return c.title
+            model = self.data(index, ModelRole)
+            return f"{c.title}\n{model}" if model else c.title
         if role == Qt.ItemDataRole.AccessibleTextRole:
             busy = ", answering" if c.id in self._busy else ""
-            return f"{c.title}, {relative_time(c.updated)}{busy}"
+            model = self.data(index, ModelRole)
+            model = f", {model}" if model else ""
+            return f"{c.title}, {relative_time(c.updated)}{model}{busy}"
         if role == ConvIdRole:
             return c.id
         if role == UpdatedRole:
@@ -223,6 +231,8 @@ class ConversationDelegate(QStyledItemDelegate):
         muted = pal.color(QPalette.ColorRole.PlaceholderText)
         painter.setPen(muted)
         sub = relative_time(index.data(UpdatedRole) or 0)
+        if index.data(ModelRole):
+            sub += f"  ·  {index.data(ModelRole)}"
         if index.data(BusyRole):
             sub = "Answering…  " + sub
             painter.setPen(accent)

@@ -219,11 +219,14 @@ class ChildServer:
                 self.proc.wait(10)
 
 
-def mlx_lm_server(folder: Path) -> tuple[ChildServer, str]:
+def mlx_lm_server(folder: Path, hub_cache: Path) -> tuple[ChildServer, str]:
+    """hub_cache: an existing (empty) Hugging Face cache folder; without one its /v1/models
+    fails (an empty 200 answer: mlx-lm 0.32.2 scans a cache that is not there)."""
     port = free_port()
+    hub_cache.mkdir(parents=True, exist_ok=True)
     child = ChildServer([sys.executable, "-m", "mlx_lm.server", "--model", str(folder),
                          "--host", "127.0.0.1", "--port", str(port), "--max-tokens", "64"],
-                        ready_text="Starting httpd")
+                        ready_text="Starting httpd", env={"HF_HUB_CACHE": str(hub_cache)})
     return child, f"http://127.0.0.1:{port}/v1"
 
 

@@ -212,8 +212,9 @@ def test_bad_provider_input_gets_a_message(app_env):
 # ---- real servers ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def mlx_server():
-    child, url = mlx_lm_server(converted_folder(quantized=False))
+def mlx_server(tmp_path_factory):
+    child, url = mlx_lm_server(converted_folder(quantized=False),
+                               tmp_path_factory.mktemp("hf") / "hub")
     with child:
         yield url
 
@@ -240,7 +241,7 @@ def test_real_servers_stream_stop_and_n(which, request):
     url = request.getfixturevalue("mlx_server" if which == "mlx_lm" else "pagedchat_server")
     key = KEY if which == "pagedchat" else None
     p = provider(url, timeout_s=300)
-    [model] = asyncio.run(list_models(p, key))[:1] or ["default_model"]
+    [model] = asyncio.run(list_models(p, key))[:1]
     question = "What is the capital of France?"
     events = chat(p, model, question, key=key)
     [final] = finals(events).values()

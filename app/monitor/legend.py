@@ -43,6 +43,7 @@ STATE_LABELS = {
     "decoding": "decoding",
     "preempted": "preempted",
     "finished": "idle",
+    "remote": "remote",
 }
 STATE_TIPS = {
     "waiting": "Queued: waiting for free blocks or a batch slot",
@@ -50,6 +51,7 @@ STATE_TIPS = {
     "decoding": "Generating, one token per step in the shared batch",
     "preempted": "Evicted to make room: its blocks were freed; it will be recomputed",
     "finished": "Nothing running: the chat holds no blocks",
+    "remote": "Talks to a remote provider: it holds no blocks of this pool",
 }
 
 
@@ -131,9 +133,13 @@ class LegendModel(QAbstractTableModel):
 
     # ---- updates ---------------------------------------------------------------------------
 
-    def update_from(self, snap: Any, name: Callable[[str], str]) -> None:
-        """Bring the rows in line with `snap.sessions` with minimal model signals."""
+    def update_from(self, snap: Any, name: Callable[[str], str],
+                    remote: dict[str, Any] | None = None) -> None:
+        """Bring the rows in line with `snap.sessions` (and the remote chats' rows, which
+        hold no blocks) with minimal model signals."""
         sessions = dict(snap.sessions) if snap is not None else {}
+        for sid, stats in (remote or {}).items():
+            sessions.setdefault(sid, stats)
         for i in range(len(self._rows) - 1, -1, -1):
             if self._rows[i].session_id not in sessions:
                 self.beginRemoveRows(QModelIndex(), i, i)

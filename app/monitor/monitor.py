@@ -234,7 +234,8 @@ class MonitorPanel(QWidget):
             )
             if described != self.block_map.accessibleDescription():
                 self.block_map.setAccessibleDescription(described)
-        self.legend_model.update_from(snap, self.title)
+        remote = getattr(self.chats, "remote_sessions", None)
+        self.legend_model.update_from(snap, self.title, remote() if remote else None)
 
     def showEvent(self, event: Any) -> None:
         super().showEvent(event)

@@ -98,6 +98,8 @@ def describe_error(exc: BaseException, provider: Provider, model: str = "",
         msg = f"{where} {kind} ({code}): {_server_message(exc)}"
     elif isinstance(exc, openai.APIError):
         msg = f"{where} reported an error: {exc.message}"
+    elif isinstance(exc, ValueError):  # json.JSONDecodeError and the like
+        msg = f"{where} sent an answer that is not valid JSON; is it an OpenAI-compatible server?"
     else:
         msg = f"Talking to {where} failed: {type(exc).__name__}: {exc}"
     return scrub(msg.strip(), key)

@@ -31,6 +31,10 @@ class ProviderRegistry:
     def add_listener(self, fn: Any) -> None:
         self._listeners.append(fn)
 
+    def remove_listener(self, fn: Any) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
     def providers(self) -> list[Provider]:
         return list(self._providers.values())
 
