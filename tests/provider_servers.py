@@ -102,7 +102,9 @@ class FaultServer:
         header = request.headers.get("authorization", "")
         self.auth_headers.append(header)
         if self.api_key and header != f"Bearer {self.api_key}":
-            return JSONResponse({"error": {"message": "Incorrect API key provided.",
+            # like some hosted APIs, it echoes the key it got: the app must scrub it
+            given = header.removeprefix("Bearer ")
+            return JSONResponse({"error": {"message": f"Incorrect API key provided: {given}.",
                                            "type": "invalid_request_error",
                                            "code": "invalid_api_key"}}, status_code=401)
         return None

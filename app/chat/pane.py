@@ -109,11 +109,17 @@ class ChatPane(QFrame):
         self.subtitle_label.setSizePolicy(
             QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred
         )
-        titles.addWidget(self.subtitle_label)
-        h.addLayout(titles, 1)
+        # the chat's model on the second line, beside the system prompt (the title keeps the
+        # first line whole even in a narrow pane)
         self.model_selector = ModelSelector(self)
         self.model_selector.modelPicked.connect(self._model_picked)
-        h.addWidget(self.model_selector)
+        second = QHBoxLayout()
+        second.setContentsMargins(0, 2, 0, 0)
+        second.setSpacing(6)
+        second.addWidget(self.model_selector)
+        second.addWidget(self.subtitle_label, 1)
+        titles.addLayout(second)
+        h.addLayout(titles, 1)
         self.settings_button = self._tool_button("sliders", "Chat settings", self.open_settings)
         self.close_button = self._tool_button("close", "Close pane", self._close_clicked)
         h.addWidget(self.settings_button)
