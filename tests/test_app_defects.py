@@ -631,3 +631,21 @@ def test_a_message_action_tooltip_stays_while_hovered(window, qtbot):
     # off the buttons, it goes
     qtbot.mouseMove(vp, QPoint(rect.center().x(), rect.top() - 30))
     qtbot.waitUntil(lambda: not QToolTip.isVisible() or QToolTip.text() != ACTION_TIPS["copy"])
+
+
+def test_the_monitor_dock_can_be_closed_in_both_themes(window, qtbot):
+    from PySide6.QtWidgets import QAbstractButton
+
+    from app.theme import theme_manager
+
+    for theme in ("light", "dark", "light"):
+        with qtbot.waitSignal(theme_manager().changed):
+            window.set_theme(theme)
+        button = window.monitor_dock.findChild(QAbstractButton, "qt_dockwidget_closebutton")
+        assert button is not None and button.isVisible()
+        assert not button.icon().isNull(), f"no close icon in the {theme} theme"
+        image = button.grab().toImage()  # something is drawn on it, not just background
+        colours = {image.pixel(x, y) for x in range(image.width()) for y in range(image.height())}
+        assert len(colours) > 2, theme
+    qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
+    assert not window.monitor_dock.isVisible()

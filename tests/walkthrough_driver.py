@@ -50,9 +50,23 @@ class Driver:
             await asyncio.sleep(0.05)
 
     async def settle(self) -> None:
-        for _ in range(5):
-            QApplication.processEvents()
-            await asyncio.sleep(0.04)
+        await asyncio.sleep(0.3)  # the event loop runs meanwhile (repaints, layouts)
+
+    async def act(self, fn: Any) -> Any:
+        """Run a user action from the event loop itself, not inside this task: clicks and
+        modal dialogs spin nested event loops, which must not re-enter a running task."""
+        future = asyncio.get_event_loop().create_future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # reported by the awaiting step
+                future.set_exception(exc)
+
+        QTimer.singleShot(0, run)
+        result = await future
+        await asyncio.sleep(0.05)
+        return result
 
     async def shot(self, name: str) -> None:
         await self.settle()
@@ -65,12 +79,23 @@ class Driver:
             raise StepFailed(f"could not save the screenshot {path}")
         print(f"STEP OK: {name} -> {path}", flush=True)
 
-    def type_into(self, widget: Any, text: str) -> None:
-        widget.setFocus()
-        QTest.keyClicks(widget, text)
+    async def type_into(self, widget: Any, text: str) -> None:
+        def go() -> None:
+            widget.setFocus()
+            QTest.keyClicks(widget, text)
 
-    def key(self, widget: Any, key: Qt.Key, mods: Any = Qt.KeyboardModifier.NoModifier) -> None:
-        QTest.keyClick(widget, key, mods)
+        await self.act(go)
+
+    async def key(
+        self, widget: Any, key: Qt.Key, mods: Any = Qt.KeyboardModifier.NoModifier
+    ) -> None:
+        await self.act(lambda: QTest.keyClick(widget, key, mods))
+
+    async def click(self, widget: Any, pos: Any = None) -> None:
+        if pos is None:
+            await self.act(lambda: QTest.mouseClick(widget, Qt.MouseButton.LeftButton))
+        else:
+            await self.act(lambda: QTest.mouseClick(widget, Qt.MouseButton.LeftButton, pos=pos))
 
     def click_in_next_dialog(self, button_text: str) -> list[str]:
         seen: list[str] = []
@@ -91,6 +116,11 @@ class Driver:
         QTimer.singleShot(0, check)
         return seen
 
+    def quit_soon(self) -> None:
+        """Ctrl+Q, the way a user quits, once this step has reported its success."""
+        w = self.window
+        QTimer.singleShot(100, lambda: QTest.keyClick(w, Qt.Key.Key_Q, CTRL))
+
     def pane(self, i: int) -> Any:
         return self.window.panes[i]
 
@@ -98,8 +128,8 @@ class Driver:
         return pane.session.active_path()[-1]
 
     async def send(self, pane: Any, text: str, settings_tokens: int | None = None) -> None:
-        self.type_into(pane.input, text)
-        self.key(pane.input, Qt.Key.Key_Return)
+        await self.type_into(pane.input, text)
+        await self.key(pane.input, Qt.Key.Key_Return)
         await self.until(
             "the reply to start", lambda: pane.session.busy or self.reply(pane).content
         )
@@ -140,7 +170,7 @@ class Driver:
         await self.until("the model", lambda: w.bridge.status == "ready")
         await self.shot("model-ready")
 
-        self.key(w, Qt.Key.Key_N, CTRL)
+        await self.key(w, Qt.Key.Key_N, CTRL)
         p1 = w.focused_pane
         if p1.session.tree.by_id:
             raise StepFailed("Ctrl+N did not give an empty chat")
@@ -154,7 +184,7 @@ class Driver:
 
         split = w.toolbar.widgetForAction(w.act_new_pane)
         for _ in range(3):
-            QTest.mouseClick(split, Qt.MouseButton.LeftButton)  # the toolbar's Split button
+            await self.click(split)  # the toolbar's Split button
         if len(w.panes) != 4:
             raise StepFailed(f"{len(w.panes)} panes, not 4")
         screen = w.screen().availableGeometry()
@@ -164,32 +194,32 @@ class Driver:
 
         width = w.width()
         send_all = w.toolbar.widgetForAction(w.act_send_all)
-        QTest.mouseClick(send_all, Qt.MouseButton.LeftButton)
+        await self.click(send_all)
         if not w.compare_bar.isVisible():
             raise StepFailed("the Send to All button did not open its bar")
-        self.type_into(w.compare_bar.input, "Name one colour and one fruit.")
-        self.key(w.compare_bar.input, Qt.Key.Key_Return)
+        await self.type_into(w.compare_bar.input, "Name one colour and one fruit.")
+        await self.key(w.compare_bar.input, Qt.Key.Key_Return)
         await self.until("all four to answer", lambda: all(p.session.busy for p in w.panes), 30)
         await self.shot("send-to-all-streaming")
         await self.idle(*w.panes)
         if w.width() != width:
             raise StepFailed(f"streaming changed the window width {width} -> {w.width()}")
         await self.shot("send-to-all-done")
-        QTest.mouseClick(send_all, Qt.MouseButton.LeftButton)  # the bar closes again
+        await self.click(send_all)  # the bar closes again
 
-        QTest.mouseClick(p1.input, Qt.MouseButton.LeftButton)
+        await self.click(p1.input)
         await self.send(p1, LONG_PROMPT)
         await self.until("streamed text", lambda: len(self.reply(p1).content) > 20)
-        self.key(p1.input, Qt.Key.Key_Escape)  # Esc stops
+        await self.key(p1.input, Qt.Key.Key_Escape)  # Esc stops
         await self.idle(p1)
         if self.reply(p1).status != "stopped":
             raise StepFailed(f"after Esc the reply is {self.reply(p1).status}")
         await self.shot("stopped")
 
-        self.key(w, Qt.Key.Key_R, CTRL)  # regenerate
+        await self.key(w, Qt.Key.Key_R, CTRL)  # regenerate
         await self.until("regenerating", lambda: p1.session.busy, 30)
         await self.until("streamed text", lambda: len(self.reply(p1).content) > 20)
-        QTest.mouseClick(p1.send_button, Qt.MouseButton.LeftButton)  # the stop button
+        await self.click(p1.send_button)  # the stop button
         await self.idle(p1)
         _pos, count = p1.session.tree.sibling_position(self.reply(p1).id)
         if count != 2:
@@ -199,21 +229,21 @@ class Driver:
         view = p1.view
         rows = view.model().rowCount()
         user_row = rows - 2
-        view.scrollToBottom()
+        await self.act(view.scrollToBottom)
         await self.settle()
         geo = view.row_geometry(user_row)
         edit = geo.actions.get("edit")
         if edit is None:
             raise StepFailed("no edit action on the user message")
-        QTest.mouseMove(view.viewport(), edit.center())
+        await self.act(lambda: QTest.mouseMove(view.viewport(), edit.center()))
         await self.settle()
-        QTest.mouseClick(view.viewport(), Qt.MouseButton.LeftButton, pos=edit.center())
+        await self.click(view.viewport(), edit.center())
         await self.settle()
         if not p1.edit_banner.isVisible():
             raise StepFailed("clicking edit did not start editing")
-        p1.input.selectAll()
-        self.type_into(p1.input, "Write two sentences about a dragon.")
-        self.key(p1.input, Qt.Key.Key_Return)
+        await self.act(p1.input.selectAll)
+        await self.type_into(p1.input, "Write two sentences about a dragon.")
+        await self.key(p1.input, Qt.Key.Key_Return)
         await self.until("the edited reply", lambda: p1.session.busy, 30)
         await self.idle(p1)
         user = p1.session.active_path()[-2]
@@ -222,7 +252,7 @@ class Driver:
         await self.shot("edited")
 
         before = {p.session.id for p in w.panes}
-        w.act_branch.trigger()  # Chat ▸ Branch From Last Message
+        await self.act(w.act_branch.trigger)  # Chat ▸ Branch From Last Message
         await self.settle()
         branch = w.focused_pane.session
         if branch.id in before or not branch.title.startswith("Branch of"):
@@ -230,13 +260,13 @@ class Driver:
         await self.shot("branched")
 
         doomed = self.pane(1)
-        QTest.mouseClick(doomed.input, Qt.MouseButton.LeftButton)
+        await self.click(doomed.input)
         await self.send(doomed, LONG_PROMPT)
         await self.until("streamed text", lambda: len(self.reply(doomed).content) > 20)
         await self.shot("streaming-before-delete")
         sid = doomed.session.id
         seen = self.click_in_next_dialog("Delete")
-        w.act_delete.trigger()
+        await self.act(w.act_delete.trigger)
         if not seen or "no Delete button" in seen:
             raise StepFailed(f"the delete dialog did not work: {seen}")
         await self.until("the request to end", lambda: not w.bridge.active_requests(sid), 60)
@@ -244,19 +274,19 @@ class Driver:
             raise StepFailed("the deleted chat is still there")
         await self.shot("deleted-streaming-chat")
 
-        w.resize(800, 600)
+        await self.act(lambda: w.resize(800, 600))
         await self.until("800x600", lambda: w.width() == 800, 20)
         await self.settle()
         if any(p.width() < 100 for p in w.panes):
             raise StepFailed(f"panes too narrow at 800 px: {[p.width() for p in w.panes]}")
         await self.shot("small-800x600")
-        w.resize(1500, 900)
+        await self.act(lambda: w.resize(1500, 900))
         await self.until("1500x900", lambda: w.width() == 1500, 20)
         await self.shot("back-to-1500x900")
 
-        w.theme_actions["dark"].trigger()
+        await self.act(w.theme_actions["dark"].trigger)
         await self.shot("dark-theme")
-        w.theme_actions["light"].trigger()
+        await self.act(w.theme_actions["light"].trigger)
         await self.shot("light-theme")
 
         state = {
@@ -264,7 +294,7 @@ class Driver:
             "chats": sorted(c.id for c in w.store.list_conversations()),
         }
         (self.shots / "state.json").write_text(json.dumps(state))
-        self.key(w, Qt.Key.Key_Q, CTRL)  # quit
+        self.quit_soon()
 
     async def relaunched(self) -> None:
         w = self.window
@@ -281,7 +311,7 @@ class Driver:
         await self.send(p, "Thank you!")
         await self.idle(p)
         await self.shot("relaunched-and-answered")
-        self.key(w, Qt.Key.Key_Q, CTRL)
+        self.quit_soon()
 
 
 def main() -> int:

@@ -223,32 +223,36 @@ class CountersWidget(QWidget):
 
     def _width_for(self, columns: int) -> int:
         """The width `columns` label/value pairs need."""
-        names = max(n.sizeHint().width() for n in self._names.values())
-        values = max(v.width() for v in self.values.values())
+        keys = [k for k, _, _ in self.FIELDS]
+        rows = (len(keys) + columns - 1) // columns
         spacing = self.grid.horizontalSpacing()
-        return columns * (names + spacing + values) + (columns - 1) * spacing
+        total = 0
+        for c in range(columns):
+            group = keys[c * rows : (c + 1) * rows]
+            names = max(self._names[k].sizeHint().width() for k in group)
+            values = max(self.values[k].width() for k in group)
+            total += names + spacing + values
+        return total + (columns - 1) * spacing
 
-    def minimumSizeHint(self) -> QSize:
-        rows = len(self.FIELDS)
-        h = rows * (self.values["used"].height() + self.grid.verticalSpacing())
-        return QSize(self._width_for(1), h)
-
-    def resizeEvent(self, event: Any) -> None:
-        self._arrange(2 if event.size().width() >= self._width_for(2) else 1)
-        super().resizeEvent(event)
-
-    def hasHeightForWidth(self) -> bool:
-        return True
-
-    def heightForWidth(self, width: int) -> int:
-        columns = 2 if width >= self._width_for(2) else 1
+    def _height_for(self, columns: int) -> int:
         rows = (len(self.FIELDS) + columns - 1) // columns
         return rows * (self.values["used"].height() + self.grid.verticalSpacing())
+
+    def minimumSizeHint(self) -> QSize:
+        """One column's width (the dock may be narrow), the current arrangement's height."""
+        return QSize(self._width_for(1), self._height_for(max(1, self.columns)))
+
+    def resizeEvent(self, event: Any) -> None:
+        columns = 2 if event.size().width() >= self._width_for(2) else 1
+        if columns != self.columns:
+            self._arrange(columns)
+            self.updateGeometry()  # the height it needs changed
+        super().resizeEvent(event)
 
     def _fix_value_sizes(self) -> None:
         """Fixed-size value labels: a label whose size is fixed does not invalidate the
         layout when its text changes, so a 10 Hz refresh repaints just the labels."""
-        fm = self.values["used"].fontMetrics()
+        fm = self.values["used"].fontMetrics()  # the labels' own (possibly smaller) font
         width = max(fm.horizontalAdvance(WIDEST[k]) for k, _, _ in self.FIELDS) + 2
         for k, _, _ in self.FIELDS:
             self.values[k].setFixedSize(width, fm.height() + 2)
@@ -256,7 +260,14 @@ class CountersWidget(QWidget):
     def changeEvent(self, event: QEvent) -> None:
         super().changeEvent(event)
         if event.type() == QEvent.Type.FontChange:
-            self._fix_value_sizes()
+            self.refit()
+
+    def refit(self) -> None:
+        """Re-measure after the labels' fonts changed (the monitor shrinks them)."""
+        self._fix_value_sizes()
+        self.columns = 0  # re-arrange for the current width
+        self._arrange(2 if self.width() >= self._width_for(2) else 1)
+        self.updateGeometry()
 
     def set_counters(self, c: PoolCounters) -> None:
         texts = {

@@ -102,7 +102,7 @@ class MonitorPanel(QWidget):
             self.show_snapshot(bridge.latest_snapshot)
 
     def sizeHint(self) -> QSize:
-        return QSize(384, 760)
+        return QSize(404, 760)  # wide enough for the counters in two columns
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -168,6 +168,7 @@ class MonitorPanel(QWidget):
             _small(label, 0.92)
             if label.objectName() == "counterLabel":
                 label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        self.counters.refit()
         v.addWidget(self.counters)
 
         v.addSpacing(6)
