@@ -185,8 +185,9 @@ class ProvidersPage(QWidget):
                 return
             self.registry.set_models(p.id, models)
             self._set_result(f"{p.name} lists {len(models)} model(s).")
-            if self.current_id() == p.id:
-                self._show_models(models)
+            with contextlib.suppress(RuntimeError):  # the dialog closed meanwhile
+                if self.current_id() == p.id:
+                    self._show_models(models)
 
         self._start(run())
 
@@ -200,8 +201,9 @@ class ProvidersPage(QWidget):
             ok, text, models = await check_connection(p, self.registry.key(p))
             if ok:
                 self.registry.set_models(p.id, models)
-                if self.current_id() == p.id:
-                    self._show_models(models)
+                with contextlib.suppress(RuntimeError):  # the dialog closed meanwhile
+                    if self.current_id() == p.id:
+                        self._show_models(models)
             self._set_result(("✓ " if ok else "✗ ") + text)
 
         self._start(run())
