@@ -24,8 +24,12 @@ class ModelSelector(QComboBox):
         self.setAccessibleName("Model for this chat")
         self.setToolTip("The model this chat talks to: the local engine's or a provider's"
                         " (Settings ▸ Providers)")
-        self.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
-        self.setSizePolicy(QSizePolicy.Policy.Maximum, QSizePolicy.Policy.Fixed)
+        # a narrow pane must stay narrow (four panes and the monitor fit in 1280 px): size
+        # for a few characters, elide the rest
+        self.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.setMinimumContentsLength(3)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
+        self.setMinimumWidth(60)
         self.setMaximumWidth(240)
         self._filling = False
         self.activated.connect(self._activated)

@@ -116,7 +116,7 @@ class ChatPane(QFrame):
         second = QHBoxLayout()
         second.setContentsMargins(0, 2, 0, 0)
         second.setSpacing(6)
-        second.addWidget(self.model_selector)
+        second.addWidget(self.model_selector, 2)
         second.addWidget(self.subtitle_label, 1)
         titles.addLayout(second)
         h.addLayout(titles, 1)
