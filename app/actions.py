@@ -72,6 +72,8 @@ ACTIONS: tuple[ActionSpec, ...] = (
     ActionSpec("settings", "&Settings…", "open_settings", shortcut=(SK.Preferences, "Ctrl+,"),
                icon="settings", menu=("&Edit", 1), icon_text="Settings",
                role=Role.PreferencesRole),
+    ActionSpec("providers", "&Providers…", "open_settings", kwargs={"tab": "providers"},
+               tip="Remote OpenAI-compatible servers a chat can talk to", menu=("&Edit", 1)),
     ActionSpec("send_all", "Send to &All Panes", "toggle_compare",
                shortcut=("Ctrl+Shift+Return",), icon="send-all",
                tip="Send one message to every open pane", menu=("&Chat", 0),

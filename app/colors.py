@@ -38,6 +38,11 @@ def forget(session_id: str) -> None:
     _assigned.pop(session_id, None)
 
 
+def forget_all() -> None:
+    """Forget every assignment (what a fresh process starts with; used by relaunch tests)."""
+    _assigned.clear()
+
+
 def color_index(session_id: str) -> int:
     """The palette index of a chat: its registered one, else a stable hash of its id."""
     if session_id in _assigned:

@@ -2,7 +2,9 @@
 
 Two panes share a system prompt (so their prompt prefixes share KV blocks in the pool), the
 third has its own. Replies are short (DEMO_MAX_TOKENS) so the demo finishes quickly even on a
-CPU. With --screenshot, the window is saved as an image when every reply is done.
+CPU. With --screenshot, the window is saved as an image while all three replies stream and the
+pool holds shared blocks (so the monitor shows live ownership and sharing, not only cached
+blocks), and the demo exits once every reply is done.
 """
 
 from __future__ import annotations
@@ -71,6 +73,26 @@ async def run_demo(window: Any, screenshot: str | None, max_tokens: int = DEMO_M
     for pane, (_t, _s, prompt) in zip(panes, DEMO_CHATS, strict=True):
         pane.send(prompt)  # queued by the engine while the model loads
     log("waiting for the model and three replies…")
+    shot_done = False
+    if screenshot:
+
+        def live() -> bool:
+            snap = bridge.latest_snapshot
+            return bridge.status == "error" or (
+                bridge.status == "ready"
+                and snap is not None
+                and snap.shared_blocks > 0
+                and all(
+                    p.session.busy and len(p.session.active_path()[-1].content) >= 40
+                    for p in panes
+                )
+            )
+
+        if await _wait(live, DEMO_TIMEOUT_S) and bridge.status == "ready":
+            await asyncio.sleep(0.3)  # the monitor and the footers take the next snapshot
+            shot_done = _save(window, screenshot)
+            if not shot_done:
+                return 1
     ok = await _wait(
         lambda: (
             bridge.status == EngineStatus.ERROR
@@ -87,12 +109,19 @@ async def run_demo(window: Any, screenshot: str | None, max_tokens: int = DEMO_M
     for p in panes:
         p.session.refresh_context()
     await asyncio.sleep(0.6)  # let the footers, throttled renders and snapshot catch up
-    if screenshot:
-        QApplication.processEvents()
-        path = Path(screenshot).expanduser()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not window.grab().save(str(path)):
-            log(f"could not write {path}")
+    if screenshot and not shot_done:
+        log("the replies ended before all three streamed at once: screenshot of the result")
+        if not _save(window, screenshot):
             return 1
-        log(f"screenshot saved to {path}")
     return 0
+
+
+def _save(window: Any, screenshot: str) -> bool:
+    QApplication.processEvents()
+    path = Path(screenshot).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not window.grab().save(str(path)):
+        log(f"could not write {path}")
+        return False
+    log(f"screenshot saved to {path}")
+    return True

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import get_args, get_type_hints
 
+from PySide6.QtCore import QEvent, QObject, Qt
+from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import (
     QAbstractSpinBox,
     QDialog,
@@ -158,8 +160,26 @@ class ChatSettingsForm(QWidget):
         caption.setBuddy(self.system_prompt)
         v.addWidget(caption)
         v.addWidget(self.system_prompt)
+        self.prompt_hint = QLabel("Enter adds a line · Ctrl+Enter saves")
+        self.prompt_hint.setObjectName("hint")
+        v.addWidget(self.prompt_hint)
+        self.system_prompt.installEventFilter(self)
         self.sampling = SamplingForm(settings.sampling)
         v.addWidget(self.sampling)
+
+    def eventFilter(self, obj: QObject, event: QEvent) -> bool:
+        """Ctrl/⌘+Enter in the prompt box accepts the dialog (Enter itself adds a line)."""
+        if (
+            obj is self.system_prompt
+            and event.type() == QEvent.Type.KeyPress
+            and event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
+            and event.modifiers()
+            & (Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.MetaModifier)
+            and isinstance(self.window(), QDialog)
+        ):
+            self.window().accept()
+            return True
+        return super().eventFilter(obj, event)
 
     def value(self) -> ChatSettings:
         """The edited settings (raises ValueError when the engine refuses the sampling)."""
@@ -196,6 +216,9 @@ class CheckedDialog(QDialog):
         )
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
+        for b in buttons.buttons():  # Fusion's stock OK/Cancel icons look out of place
+            b.setIcon(QIcon())
+        self.buttons = buttons
         layout.addWidget(buttons)
 
     def problem(self) -> str | None:

@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedchat",
         description="Several local-LLM chats side by side, streaming from one paged KV pool.",
+        epilog="`pagedchat serve --help`: the OpenAI-compatible API server, without a window.",
     )
     p.add_argument(
         "--model",
@@ -77,6 +78,11 @@ def share_the_gil() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # headless: the API server only, no Qt imported on this path
+        from app.server.cli import main as serve_main
+
+        return serve_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.self_test:
@@ -101,11 +107,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from app.core import secrets
     from app.core.app_settings import AppSettings
-    from app.core.store import Store
+    from app.data_folder import claim, close_store, open_store
     from app.display import quiet_offscreen_warnings
     from app.engine_bridge import EngineBridge
     from app.main_window import MainWindow
     from app.resources import app_icon
+    from app.single_instance import bring_to_front
     from app.theme import theme_manager
 
     quiet_offscreen_warnings()
@@ -126,10 +133,14 @@ def main(argv: list[str] | None = None) -> int:
         data_dir = Path(tempfile.mkdtemp(prefix="pagedchat-demo-"))
     else:
         data_dir = default_data_dir()
-    try:
-        store = Store(data_dir)
-    except Exception as exc:
-        print(f"pagedchat: cannot open the data folder {data_dir}: {exc}", file=sys.stderr)
+    guard, code = claim(data_dir)  # one instance per data folder
+    if guard is None:
+        loop.close()
+        return code
+    store = open_store(data_dir)
+    if store is None:
+        guard.release()
+        loop.close()
         return 1
 
     settings = AppSettings.load(store)
@@ -144,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     bridge = EngineBridge()
     window = MainWindow(store, bridge, settings)
     window.show()
+    guard.activationRequested.connect(lambda: bring_to_front(window))
     if sys.platform == "darwin":  # clicking the Dock icon brings the hidden window back
         from PySide6.QtCore import Qt
 
@@ -179,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         window.shutdown_chats()
         bridge.shutdown()
-        store.close()
+        close_store(store)
+        guard.release()
         loop.close()  # joins the loop's worker threads (else Qt aborts at exit)
     code = demo_result.get("code", code if isinstance(code, int) else 0)
     sys.stdout.flush()

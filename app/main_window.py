@@ -10,6 +10,7 @@ It is also the monitor's view of the chats (app/monitor/chats.py's Chats protoco
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from typing import Any
 
@@ -30,14 +31,23 @@ from app.actions import THEMES, build_actions, build_toolbar, refresh_icons
 from app.banners import CompareBar, EngineBanner, ModelButton, PoolLabel
 from app.chat.pane import ChatPane
 from app.chat.session import ChatSession, SessionManager
+from app.confirm import confirm_destructive
 from app.core import secrets
 from app.core.app_settings import AppSettings
+from app.core.generation_defaults import model_defaults
+from app.core.providers import ProviderRegistry
+from app.core.records import ChatSettings
+from app.dock_fit import DockFitter
 from app.monitor import create_monitor_dock
 from app.pane_deck import MAX_PANES, PaneDeck
 from app.qt_util import from_b64, to_b64
+from app.remote_bridge import RemoteBridge
+from app.server_panel import ServerPanel
 from app.settings_dialog import SettingsDialog
 from app.sidebar import Sidebar
+from app.storage_banner import attach_storage_banner
 from app.theme import theme_manager
+from engine import SamplingParams
 
 LAYOUT_KEY = "window_layout"
 APP_NAME = "PagedChat"
@@ -60,12 +70,15 @@ class MainWindow(QMainWindow):
         self.store = store
         self.bridge = bridge
         self.settings = settings or AppSettings.load(store)
-        self.manager = SessionManager(store, bridge, self)
-        self.manager.default_settings = self.settings.default_chat()
+        self.registry = ProviderRegistry(store)
+        self.remote = RemoteBridge(self.registry, self)
+        self.manager = SessionManager(store, bridge, self, remote=self.remote)
+        self._apply_default_chat_settings()
         self._quitting = False
         self._closed = False
         self.setUnifiedTitleAndToolBarOnMac(True)
         self._build()
+        self.storage_banner = attach_storage_banner(self)  # save faults, recovered database
         self.actions_by_key = build_actions(self)
         self.theme_actions = {v: self.actions_by_key[f"theme_{v}"] for v, _ in THEMES}
         self.theme_actions.get(self.settings.theme, self.theme_actions["system"]).setChecked(True)
@@ -73,13 +86,18 @@ class MainWindow(QMainWindow):
         self.model_button.clicked.connect(self.open_settings)
         self.toolbar = build_toolbar(self, self.actions_by_key, self.model_button)
         self._wire()
+        self.server_panel = ServerPanel(self, store, bridge)
+        self.server_panel.install()
         self.restore_layout()
+        self.dock_fitter = DockFitter(self, self.monitor_dock)
         self._on_status(bridge.status)
 
     # ---- construction --------------------------------------------------------------------
 
     def _build(self) -> None:
         self.sidebar = Sidebar(self.store, self)
+        self.sidebar.model.model_label = self.registry.label
+        self.registry.add_listener(self.sidebar.reload)
         self.workspace = QWidget()
         self.workspace.setObjectName("workspace")
         w = QVBoxLayout(self.workspace)
@@ -122,6 +140,7 @@ class MainWindow(QMainWindow):
         self.manager.busyChanged.connect(self.sidebar.model.set_busy)
         self.bridge.statusChanged.connect(self._on_status)
         self.bridge.snapshotUpdated.connect(self.pool_label.show_snapshot)
+        self.bridge.modelReady.connect(self._apply_default_chat_settings)
         self.banner.settingsRequested.connect(self.open_settings)
         self.banner.retryRequested.connect(self.restart_engine)
         self.compare_bar.submitted.connect(self._compare_submit)
@@ -144,6 +163,12 @@ class MainWindow(QMainWindow):
 
     def focus_chat(self, session_id: str) -> bool:
         return self.deck.focus_chat(session_id)
+
+    def remote_sessions(self) -> dict[str, Any]:
+        """Monitor rows for the open remote chats: "remote", no blocks of this pool."""
+        ids = [sid for sid, s in self.manager.sessions.items() if s.is_remote
+               and (s.busy or self.pane_for(sid) is not None)]
+        return self.remote.stats(ids)
 
     # ---- panes ---------------------------------------------------------------------------
 
@@ -195,7 +220,7 @@ class MainWindow(QMainWindow):
         if new_pane and len(self.panes) >= MAX_PANES:
             self.statusBar().showMessage(f"At most {MAX_PANES} panes side by side.", 5000)
             return None
-        session = self.manager.create()
+        session = self.manager.create()  # an empty one it replaces is dropped (open_chat)
         return self.open_chat(session.id, new_pane=new_pane)
 
     # ---- chat commands -------------------------------------------------------------------
@@ -253,16 +278,12 @@ class MainWindow(QMainWindow):
         conv = self.store.get_conversation(conversation_id)
         if conv is None:
             return False
-        if confirm:
-            answer = QMessageBox.question(
-                self,
-                "Delete Chat",
-                f"Delete “{conv.title}” and all its messages? This cannot be undone.",
-                QMessageBox.StandardButton.Delete | QMessageBox.StandardButton.Cancel,
-                QMessageBox.StandardButton.Cancel,
-            )
-            if answer != QMessageBox.StandardButton.Delete:
-                return False
+        if confirm and not confirm_destructive(
+            self,
+            "Delete Chat",
+            f"Delete “{conv.title}” and all its messages? This cannot be undone.",
+        ):
+            return False
         self.manager.delete(conversation_id)
         self.deck.drop_chat(conversation_id, self.manager.latest_or_new)
         self._save_soon()
@@ -288,8 +309,11 @@ class MainWindow(QMainWindow):
         self.banner.show_status(status, name, self.bridge.load_error)
         self.model_button.show_status(status, name, self.bridge.model_info)
 
-    def open_settings(self) -> None:
-        dialog = SettingsDialog(self.settings, self)
+    def open_settings(self, tab: str | None = None) -> None:
+        dialog = SettingsDialog(self.settings, self, registry=self.registry)
+        self.settings_dialog = dialog  # tests drive the open dialog
+        if tab == "providers" and dialog.providers_page is not None:
+            dialog.tabs.setCurrentWidget(dialog.providers_page)
         if dialog.exec() == QDialog.DialogCode.Accepted:
             self.apply_settings(dialog.value(), token_changed=dialog.token_changed)
 
@@ -302,12 +326,28 @@ class MainWindow(QMainWindow):
         old_key = self.settings.engine_key()
         self.settings = new
         new.save(self.store)
-        self.manager.default_settings = self.settings.default_chat()
+        self._apply_default_chat_settings()
         theme_manager().apply(new.theme)
         self.theme_actions[new.theme].setChecked(True)
         if new.engine_key() != old_key or (token_changed and new.model_kind == "hf"):
             self.restart_engine()
         return True
+
+    def _apply_default_chat_settings(self, *_args: object) -> None:
+        """New chats sample as the user set in Settings, else as the loaded model asks."""
+        sampling = self.settings.default_sampling
+        source = "your defaults (Settings)"
+        if sampling == SamplingParams():  # never changed by the user
+            info = self.bridge.model_info
+            sampling, source = model_defaults(getattr(info, "path", "") if info else "")
+        previous = self.manager.default_settings.sampling
+        self.manager.default_settings = ChatSettings(
+            system_prompt=self.settings.default_system_prompt, sampling=sampling
+        )
+        self.manager.default_source = source
+        for session in self.manager.sessions.values():  # empty chats made before the model
+            if not session.tree.by_id and session.settings.sampling == previous != sampling:
+                session.set_settings(dataclasses.replace(session.settings, sampling=sampling))
 
     def set_theme(self, theme: str) -> None:
         self.settings.theme = theme
@@ -338,6 +378,8 @@ class MainWindow(QMainWindow):
 
     def _conversations_changed(self) -> None:
         self.sidebar.reload()
+        if self.focused_pane is not None and self.focused_pane.session is not None:
+            self.sidebar.select(self.focused_pane.session.id)
         if self.focused_pane is not None and self.focused_pane.session is not None:
             self.setWindowTitle(f"{self.focused_pane.session.title} — {APP_NAME}")
 
@@ -386,6 +428,7 @@ class MainWindow(QMainWindow):
     def shutdown_chats(self) -> None:
         """Cancel every reply, keeping partial text marked interrupted; save the layout."""
         self.save_layout()
+        self.server_panel.shutdown()
         self.manager.interrupt_all()
         self._closed = True
 

@@ -27,6 +27,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 #: A question whose greedy answer is known: a build with broken numerics (a wrong BLAS, a bad
 #: conversion) still produces *some* text, so the answer itself is checked.
@@ -143,6 +144,7 @@ def open_window(engine: object) -> None:
 
     from app.core.app_settings import AppSettings
     from app.core.store import Store
+    from app.data_folder import claim
     from app.engine_bridge import EngineBridge
     from app.main_window import MainWindow
     from app.resources import app_icon
@@ -160,6 +162,9 @@ def open_window(engine: object) -> None:
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
     with tempfile.TemporaryDirectory(prefix="pagedchat-selftest-") as data_dir:
+        guard, _ = claim(Path(data_dir))  # as a launch does: QLockFile + QLocalServer (QtNetwork)
+        if guard is None:
+            raise SelfTestError("the data folder could not be claimed (lock file / local server)")
         store = Store(data_dir)
         bridge = EngineBridge(engine=engine)  # wraps the engine; never stops it
         window = MainWindow(store, bridge, AppSettings.load(store))
@@ -185,6 +190,7 @@ def open_window(engine: object) -> None:
             window.close()
             bridge.shutdown()
             store.close()
+            guard.release()
             app.processEvents()
             loop.close()  # joins the loop's worker threads (else Qt aborts at exit)
             asyncio.set_event_loop(None)

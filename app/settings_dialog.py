@@ -1,11 +1,14 @@
 """Preferences: model, KV pool, defaults for new chats, theme, and the Hugging Face token.
 
-The token field writes only to the OS keychain (app/core/secrets.py); it is never kept in the
-settings database. Every value is checked before the dialog closes (a missing model folder, a
-malformed repo id, bad sampling values), with the problem shown in the dialog.
+The token field writes only to a secure OS keychain, or with none to memory for this run
+(app/core/secrets.py); it is never kept in the settings database. Every value is checked
+before the dialog closes (a missing model folder, a malformed repo id, bad sampling values),
+with the problem shown in the dialog.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from PySide6.QtWidgets import (
     QButtonGroup,
@@ -28,11 +31,13 @@ from app.core import secrets
 from app.core.app_settings import AppSettings
 from app.core.records import ChatSettings
 from app.forms import ChatSettingsForm, CheckedDialog
+from app.providers_page import ProvidersPage
 from engine import BLOCK_SIZES
 
 
 class SettingsDialog(CheckedDialog):
-    def __init__(self, settings: AppSettings, parent: QWidget | None = None) -> None:
+    def __init__(self, settings: AppSettings, parent: QWidget | None = None,
+                 registry: Any = None) -> None:
         super().__init__("Settings", "Settings", 520, parent)
         self._initial = settings
         self.token_changed = False
@@ -42,6 +47,11 @@ class SettingsDialog(CheckedDialog):
         tabs.addTab(self._model_tab(settings), "&Model")
         tabs.addTab(self._defaults_tab(settings), "&New Chats")
         tabs.addTab(self._appearance_tab(settings), "&Appearance")
+        self.tabs = tabs
+        self.providers_page: ProvidersPage | None = None
+        if registry is not None:  # applied at once (keys go straight to the keychain)
+            self.providers_page = ProvidersPage(registry)
+            tabs.addTab(self.providers_page, "&Providers")
         self._kind_changed()
 
     # ---- tabs ----------------------------------------------------------------------------
@@ -89,8 +99,11 @@ class SettingsDialog(CheckedDialog):
         self.token_edit.setAccessibleName("Hugging Face token")
         self.token_edit.setPlaceholderText("hf_… (only for gated or private repos)")
         t.addRow("&Token:", self.token_edit)
-        note = QLabel(f"Stored only in the system keychain ({secrets.backend_name()}).")
+        note = QLabel(secrets.storage_note())  # says so when there is no secure keychain
+        note.setWordWrap(True)
         note.setObjectName("hint")
+        note.setAccessibleName("Where the token is kept")
+        self.token_note = note
         t.addRow(note)
         v.addWidget(token_box)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from PySide6.QtCore import (
     QAbstractListModel,
+    QEvent,
     QModelIndex,
     QPersistentModelIndex,
     QRect,
@@ -48,10 +49,13 @@ from PySide6.QtWidgets import (
 
 from app import colors, icons
 from app.core.records import Conversation
+from app.core.session_logic import DEFAULT_TITLE
 
 ConvIdRole = Qt.ItemDataRole.UserRole + 1
 UpdatedRole = Qt.ItemDataRole.UserRole + 2
 BusyRole = Qt.ItemDataRole.UserRole + 3
+StartedRole = Qt.ItemDataRole.UserRole + 4  # written in or named (else not listed yet)
+ModelRole = Qt.ItemDataRole.UserRole + 5  # the chat's remote model ("" for the local one)
 
 
 def relative_time(ts: float, now: float | None = None) -> str:
@@ -72,11 +76,15 @@ class ConversationListModel(QAbstractListModel):
         self.store = store
         self._items: list[Conversation] = []
         self._busy: set[str] = set()
+        # a chat's model reference -> its label ("model @ provider"); set by the window
+        self.model_label: Any = None
         self.reload()
 
     def reload(self) -> None:
         self.beginResetModel()
         self._items = self.store.list_conversations()
+        for c in self._items:  # the stored colour, also for chats not opened this run
+            colors.register(c.id, c.color_index)
         self.endResetModel()
 
     def set_busy(self, conversation_id: str, busy: bool) -> None:
@@ -94,17 +102,24 @@ class ConversationListModel(QAbstractListModel):
         c = self._items[index.row()]
         if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.EditRole):
             return c.title
+        if role == ModelRole:
+            return self.model_label(c.model) if (c.model and self.model_label) else ""
         if role == Qt.ItemDataRole.ToolTipRole:
-            return c.title
+            model = self.data(index, ModelRole)
+            return f"{c.title}\n{model}" if model else c.title
         if role == Qt.ItemDataRole.AccessibleTextRole:
             busy = ", answering" if c.id in self._busy else ""
-            return f"{c.title}, {relative_time(c.updated)}{busy}"
+            model = self.data(index, ModelRole)
+            model = f", {model}" if model else ""
+            return f"{c.title}, {relative_time(c.updated)}{model}{busy}"
         if role == ConvIdRole:
             return c.id
         if role == UpdatedRole:
             return c.updated
         if role == BusyRole:
             return c.id in self._busy
+        if role == StartedRole:  # written in, or named by the user
+            return c.active_leaf is not None or c.title != DEFAULT_TITLE
         return None
 
     def setData(
@@ -133,7 +148,9 @@ class ConversationListModel(QAbstractListModel):
 
 
 class ConversationFilter(QSortFilterProxyModel):
-    """Shows conversations whose title or messages contain the query."""
+    """Shows conversations that have begun (an empty "New Chat" is listed from its first
+    message on, so empty ones never pile up as look-alikes) and match the query (title or
+    message text)."""
 
     def __init__(self, store: Any, parent: Any = None) -> None:
         super().__init__(parent)
@@ -159,10 +176,10 @@ class ConversationFilter(QSortFilterProxyModel):
             self._set_ids(self.store.search(self.query))
 
     def filterAcceptsRow(self, row: int, parent: QModelIndex | QPersistentModelIndex) -> bool:
-        if self._ids is None:
-            return True
         idx = self.sourceModel().index(row, 0, parent)
-        return idx.data(ConvIdRole) in self._ids
+        if not idx.data(StartedRole):
+            return False
+        return self._ids is None or idx.data(ConvIdRole) in self._ids
 
 
 class ConversationDelegate(QStyledItemDelegate):
@@ -214,6 +231,8 @@ class ConversationDelegate(QStyledItemDelegate):
         muted = pal.color(QPalette.ColorRole.PlaceholderText)
         painter.setPen(muted)
         sub = relative_time(index.data(UpdatedRole) or 0)
+        if index.data(ModelRole):
+            sub += f"  ·  {index.data(ModelRole)}"
         if index.data(BusyRole):
             sub = "Answering…  " + sub
             painter.setPen(accent)
@@ -296,6 +315,7 @@ class Sidebar(QFrame):
         self.setObjectName("sidebar")
         self.setAccessibleName("Sidebar")
         self.store = store
+        self.current_id: str | None = None
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 10, 8, 8)
         layout.setSpacing(8)
@@ -321,6 +341,7 @@ class Sidebar(QFrame):
         self.search.addAction(
             icons.icon("search", size=14), QLineEdit.ActionPosition.LeadingPosition
         )
+        self.search.installEventFilter(self)
         layout.addWidget(self.search)
 
         self.model = ConversationListModel(store, self)
@@ -332,9 +353,11 @@ class Sidebar(QFrame):
 
         self.empty = QLabel("No chats match.")
         self.empty.setObjectName("sidebarEmpty")
-        self.empty.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty.setAlignment(Qt.AlignmentFlag.AlignHCenter | Qt.AlignmentFlag.AlignTop)
+        self.empty.setWordWrap(True)
+        self.empty.setAccessibleName("Search results")
         self.empty.hide()
-        layout.addWidget(self.empty)
+        layout.addWidget(self.empty, 1)
 
         self._search_timer = QTimer(self)
         self._search_timer.setSingleShot(True)
@@ -343,8 +366,27 @@ class Sidebar(QFrame):
         self.search.textChanged.connect(lambda _t: self._search_timer.start())
 
     def _apply_search(self) -> None:
-        self.proxy.set_query(self.search.text())
-        self.empty.setVisible(bool(self.search.text().strip()) and self.proxy.rowCount() == 0)
+        query = self.search.text().strip()
+        self.proxy.set_query(query)
+        none = bool(query) and self.proxy.rowCount() == 0
+        if none:
+            shown = query if len(query) <= 40 else query[:39] + "…"
+            self.empty.setText(f"No chats match “{shown}”.\nEsc clears the search.")
+        self.empty.setVisible(none)
+        self.view.setVisible(not none)
+        if self.current_id:
+            self.select(self.current_id)
+
+    def eventFilter(self, obj: Any, event: Any) -> bool:
+        if (
+            obj is self.search
+            and event.type() == QEvent.Type.KeyPress
+            and event.key() == Qt.Key.Key_Escape
+            and self.search.text()
+        ):
+            self.set_search("")
+            return True
+        return super().eventFilter(obj, event)
 
     def set_search(self, text: str) -> None:
         """Search at once (no typing delay): used by tests and the Find action."""
@@ -356,19 +398,26 @@ class Sidebar(QFrame):
         return [self.proxy.index(r, 0).data(ConvIdRole) for r in range(self.proxy.rowCount())]
 
     def reload(self) -> None:
-        current = self.view.currentIndex().data(ConvIdRole)
         self.model.reload()
         self.proxy.refresh()
-        if current:
-            self.select(current)
+        if self.current_id:
+            self.select(self.current_id)
 
-    def select(self, conversation_id: str) -> None:
-        row = self.model.row_of(conversation_id)
-        if row < 0:
-            return
-        idx = self.proxy.mapFromSource(self.model.index(row))
+    def select(self, conversation_id: str | None) -> None:
+        """Highlight the chat shown in the focused pane (nothing when it is not listed: an
+        empty chat, or one the search hides)."""
+        self.current_id = conversation_id
+        row = self.model.row_of(conversation_id) if conversation_id else -1
+        idx = self.proxy.mapFromSource(self.model.index(row)) if row >= 0 else QModelIndex()
         if idx.isValid():
             self.view.setCurrentIndex(idx)
+        else:
+            self.view.selectionModel().clear()
+
+    def highlighted_id(self) -> str | None:
+        """The chat the list highlights (selected), if any."""
+        rows = self.view.selectionModel().selectedRows()
+        return rows[0].data(ConvIdRole) if rows else None
 
     def focus_search(self) -> None:
         """Put the cursor in the search field, its text selected (the Find command)."""

@@ -221,6 +221,12 @@ class Engine:
         return apply_template(loaded.tokenizer, _checked_messages(messages),
                               add_generation_prompt)
 
+    def encode(self, text: str) -> list[int]:
+        """The token ids of plain ``text``, no chat template (a raw completion prompt)."""
+        if self._loaded is None:
+            raise RuntimeError("the model is not loaded yet")
+        return list(self._loaded.tokenizer.encode(text))
+
     def decode(self, token_ids: Seq[int]) -> str:
         if self._loaded is None:
             return ""
@@ -301,6 +307,7 @@ class Engine:
             num_blocks=num_blocks,
             bytes_per_block=self.pool.bytes_per_block,
             attention=(attention.kernel_path() or "reference") if use_kernel else "reference",
+            path=str(loaded.path),
         )
         self._publish(force=True)
 

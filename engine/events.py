@@ -189,3 +189,4 @@ class ModelInfo:
     num_blocks: int
     bytes_per_block: int
     attention: str  # "cuda-paged", "metal-kernel" or "reference"
+    path: str = ""  # the model folder (its generation_config.json gives sampling defaults)

@@ -23,6 +23,8 @@ def app_env(tmp_path, monkeypatch):
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("PYTHON_KEYRING_BACKEND", "keyrings.alt.file.PlaintextKeyring")
+    # ...which the app refuses for real secrets unless the tests name it (app/core/secrets.py)
+    monkeypatch.setenv("PAGEDCHAT_TEST_KEYRING", "keyrings.alt.file.PlaintextKeyring")
     keyring.core.init_backend()
     data = tmp_path / "data"
     data.mkdir()

@@ -6,14 +6,23 @@ so a bad value is reported here, in words, instead of failing at the next send.
 
 from __future__ import annotations
 
-from PySide6.QtWidgets import QWidget
+from PySide6.QtWidgets import QLabel, QWidget
 
+from app.core.generation_defaults import describe
 from app.core.records import ChatSettings
 from app.forms import ChatSettingsForm, CheckedDialog
+from engine import SamplingParams
 
 
 class ChatSettingsDialog(CheckedDialog):
-    def __init__(self, title: str, settings: ChatSettings, parent: QWidget | None = None) -> None:
+    def __init__(
+        self,
+        title: str,
+        settings: ChatSettings,
+        parent: QWidget | None = None,
+        defaults: SamplingParams | None = None,
+        defaults_source: str = "",
+    ) -> None:
         super().__init__(f"Chat Settings — {title}", "Chat settings", 440, parent)
         self.form = ChatSettingsForm(
             settings,
@@ -25,6 +34,16 @@ class ChatSettingsDialog(CheckedDialog):
         self.system_prompt = self.form.system_prompt
         self.sampling = self.form.sampling
         self.body.addWidget(self.form)
+        self.defaults_label = QLabel()
+        self.defaults_label.setObjectName("defaultsNote")
+        self.defaults_label.setWordWrap(True)
+        self.defaults_label.setAccessibleName("New chat defaults")
+        if defaults is not None:
+            self.defaults_label.setText(
+                f"New chats start with {describe(defaults)}"
+                + (f", from {defaults_source}." if defaults_source else ".")
+            )
+            self.body.addWidget(self.defaults_label)
 
     def value(self) -> ChatSettings:
         return self.form.value()

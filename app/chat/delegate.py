@@ -246,8 +246,13 @@ class MessageDelegate(QStyledItemDelegate):
         if msg.status in Status.LIVE and not msg.content:
             painter.setFont(self._small_font())
             painter.setPen(muted)
+            text_now = self._model().waiting_text(msg)
             painter.drawText(
-                geo.body, Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop, "Thinking…"
+                geo.body,
+                Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignTop,
+                QFontMetrics(self._small_font()).elidedText(
+                    text_now, Qt.TextElideMode.ElideRight, geo.body.width()
+                ),
             )
             return
         painter.save()

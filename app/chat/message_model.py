@@ -80,6 +80,7 @@ class ChatMessageModel(QAbstractListModel):
         self._streamers: dict[str, StreamingRenderer] = {}
         self._dirty: set[str] = set()
         self.font = QFont()
+        self.prompt_progress: tuple[int, int] | None = None  # (read, total) while prefilling
         self.full_renders = 0  # finished messages rendered (each once)
         self.stream_renders = 0  # throttled re-renders of streaming tails
         session.pathChanged.connect(self._sync_rows)
@@ -119,6 +120,23 @@ class ChatMessageModel(QAbstractListModel):
 
     def message(self, row: int) -> Message:
         return self.session.tree.get(self._ids[row])
+
+    def set_prompt_progress(self, progress: tuple[int, int] | None) -> None:
+        """How much of the prompt the engine has read (from the pool snapshot): a long paste
+        shows "Reading your message… 1,200 / 3,648 tokens" instead of a bare "Thinking…"."""
+        if progress == self.prompt_progress:
+            return
+        self.prompt_progress = progress
+        for row, mid in enumerate(self._ids):
+            if self.session.tree.get(mid).status == Status.PENDING:
+                self.dataChanged.emit(self.index(row), self.index(row))
+
+    def waiting_text(self, msg: Message) -> str:
+        """What a reply with no text yet shows."""
+        p = self.prompt_progress
+        if msg.status == Status.PENDING and p is not None and p[1] > 0:
+            return f"Reading your message… {p[0]:,} / {p[1]:,} tokens"
+        return "Thinking…"
 
     def message_ids(self) -> list[str]:
         return list(self._ids)
@@ -164,7 +182,7 @@ class ChatMessageModel(QAbstractListModel):
             self.full_renders += 1
         html = rendered.html
         if msg.status == Status.ERROR and msg.meta.get("error"):
-            html += f'<p style="color:#d64545;">{escape(str(msg.meta["error"]))}</p>'
+            html += f'<p style="color:#d64545;">{escape(sentence(str(msg.meta["error"])))}</p>'
         doc = QTextDocument()
         doc.setUndoRedoEnabled(False)
         doc.setDocumentMargin(0)
@@ -257,3 +275,12 @@ def status_text(msg: Message) -> str:
         Status.LENGTH: "Cut at max tokens",
         Status.ERROR: "Error",
     }.get(msg.status, "")
+
+
+def sentence(text: str) -> str:
+    """An engine message shown to the user: capitalised, ending with a full stop."""
+    text = text.strip()
+    if not text:
+        return text
+    text = text[0].upper() + text[1:]
+    return text if text[-1] in ".!?…" else text + "."

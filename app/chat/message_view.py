@@ -141,10 +141,20 @@ class MessageListView(QListView):
         self.viewport().setCursor(
             Qt.CursorShape.PointingHandCursor if pointing else Qt.CursorShape.ArrowCursor
         )
+        # A tooltip tied to the hovered button's rectangle stays while the pointer is on it
+        # (re-showing it on every move, with no rectangle, made it vanish within a second).
         if action:
-            QToolTip.showText(event.globalPosition().toPoint(), ACTION_TIPS.get(action, ""), self)
+            rect = self.row_geometry(row).actions[action]
+            tip = ACTION_TIPS.get(action, "")
+            if not (QToolTip.isVisible() and QToolTip.text() == tip):
+                QToolTip.showText(
+                    event.globalPosition().toPoint(), tip, self.viewport(), rect, 60_000
+                )
         elif href and href.startswith(COPY_SCHEME):
-            QToolTip.showText(event.globalPosition().toPoint(), "Copy code", self)
+            if not (QToolTip.isVisible() and QToolTip.text() == "Copy code"):
+                QToolTip.showText(event.globalPosition().toPoint(), "Copy code", self)
+        elif QToolTip.isVisible() and QToolTip.text() in ACTION_TIPS.values():
+            QToolTip.hideText()
         super().mouseMoveEvent(event)
 
     def leaveEvent(self, event: QEvent) -> None:
@@ -257,5 +267,9 @@ class MessageListView(QListView):
 
     def resizeEvent(self, event) -> None:  # noqa: ANN001
         super().resizeEvent(event)
+        if event.size().width() != event.oldSize().width():
+            # QListView (top-to-bottom flow) only relays items out when the height changes;
+            # row heights here follow the width (wrapped text), so relay them out now.
+            self.scheduleDelayedItemsLayout()
         if self._stick:
             self.scrollToBottom()

@@ -28,8 +28,10 @@ from app.chat.chat_settings_dialog import ChatSettingsDialog
 from app.chat.input_box import InputBox
 from app.chat.message_model import ChatMessageModel
 from app.chat.message_view import MessageListView
+from app.chat.model_selector import ModelSelector
 from app.chat.session import ChatSession
 from app.core.records import Status
+from app.elided_label import ElidedLabel
 from app.qt_util import disconnect
 from engine import EngineStatus
 
@@ -81,7 +83,8 @@ class ChatPane(QFrame):
         self._build()
         self.set_session(session)
         bridge.snapshotUpdated.connect(self._on_snapshot)
-        bridge.statusChanged.connect(lambda _s: self._update_footer())
+        bridge.statusChanged.connect(self._update_footer)
+        bridge.modelReady.connect(self._on_model_ready)
 
     # ---- construction --------------------------------------------------------------------
 
@@ -106,7 +109,16 @@ class ChatPane(QFrame):
         self.subtitle_label.setSizePolicy(
             QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred
         )
-        titles.addWidget(self.subtitle_label)
+        # the chat's model on the second line, beside the system prompt (the title keeps the
+        # first line whole even in a narrow pane)
+        self.model_selector = ModelSelector(self)
+        self.model_selector.modelPicked.connect(self._model_picked)
+        second = QHBoxLayout()
+        second.setContentsMargins(0, 2, 0, 0)
+        second.setSpacing(6)
+        second.addWidget(self.model_selector, 2)
+        second.addWidget(self.subtitle_label, 1)
+        titles.addLayout(second)
         h.addLayout(titles, 1)
         self.settings_button = self._tool_button("sliders", "Chat settings", self.open_settings)
         self.close_button = self._tool_button("close", "Close pane", self._close_clicked)
@@ -125,6 +137,11 @@ class ChatPane(QFrame):
         self.empty_label.setObjectName("emptyState")
         self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.empty_label.setAttribute(Qt.WidgetAttribute.WA_TransparentForMouseEvents)
+        self.empty_label.setWordWrap(True)  # narrow panes wrap the hint instead of cutting it
+        self.empty_label.setContentsMargins(8, 8, 8, 8)
+        # it floats over the viewport (not in a layout): follow the viewport's own resizes,
+        # which come after the pane's (the pane's resize alone left it at a stale size)
+        self.view.viewport().installEventFilter(self)
 
         self.notice_label = QLabel()
         self.notice_label.setObjectName("paneNotice")
@@ -167,10 +184,9 @@ class ChatPane(QFrame):
         wl.addWidget(composer)
         layout.addWidget(wrap)
 
-        self.footer = QLabel()
+        self.footer = ElidedLabel()
         self.footer.setObjectName("paneFooter")
         self.footer.setAccessibleName("Chat statistics")
-        self.footer.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         layout.addWidget(self.footer)
 
         for w in (self.input, self.view, self.send_button, self.settings_button, self.close_button):
@@ -212,7 +228,10 @@ class ChatPane(QFrame):
         session.contextChanged.connect(self._update_footer)
         session.pathChanged.connect(self._update_empty)
         session.settingsChanged.connect(self._update_title)
+        session.modelChanged.connect(self._model_changed)
+        self._watch_registry(session)
         self.header.accent = colors.accent_color(session.id)
+        self.header.update()  # the dot and the accent bar are painted, not styled
         self._update_title()
         self._update_busy()
         self._update_empty()
@@ -226,8 +245,50 @@ class ChatPane(QFrame):
             (session.contextChanged, self._update_footer),
             (session.pathChanged, self._update_empty),
             (session.settingsChanged, self._update_title),
+            (session.modelChanged, self._model_changed),
         ):
             disconnect(sig, slot)
+
+    # ---- the chat's model ----------------------------------------------------------------
+
+    def _watch_registry(self, session: ChatSession) -> None:
+        remote = session.remote
+        registry = getattr(remote, "registry", None)
+        if registry is not None and not getattr(self, "_registry_watched", False):
+            self._registry_watched = True
+            registry.add_listener(self.refresh_models)
+            remote.activityChanged.connect(self._remote_activity)
+        self.refresh_models()
+
+    def refresh_models(self) -> None:
+        """Re-list the models (providers or their lists changed; the local model loaded)."""
+        if self.session is None:
+            return
+        remote = self.session.remote
+        info = self.bridge.model_info
+        local = getattr(info, "name", None) or "engine model"
+        self.model_selector.fill(getattr(remote, "registry", None), str(local),
+                                 self.session.model_ref)
+        self._update_title()
+
+    def _on_model_ready(self, _info: object) -> None:
+        self.refresh_models()
+
+    def _model_picked(self, ref: str) -> None:
+        if self.session is not None and not self.session.set_model(ref):
+            self.refresh_models()  # refused (still answering): show the model it keeps
+
+    def _model_changed(self, _ref: str) -> None:
+        self.refresh_models()
+        self._update_footer()
+
+    def _remote_activity(self, session_id: str) -> None:
+        if self.session is not None and session_id == self.session.id:
+            self._update_footer()
+
+    def model_label(self) -> str:
+        """The chat's model as the header shows it."""
+        return self.model_selector.currentText()
 
     def detach(self) -> None:
         """Called before the pane is deleted: stop listening (the session lives on)."""
@@ -235,8 +296,17 @@ class ChatPane(QFrame):
             self._disconnect_session(self.session)
         if self.model is not None:
             self.model.detach()
-        for sig, slot in ((self.bridge.snapshotUpdated, self._on_snapshot),):
+        for sig, slot in (
+            (self.bridge.snapshotUpdated, self._on_snapshot),
+            (self.bridge.statusChanged, self._update_footer),
+            (self.bridge.modelReady, self._on_model_ready),
+        ):
             disconnect(sig, slot)
+        remote = self.session.remote if self.session is not None else None
+        if getattr(self, "_registry_watched", False) and remote is not None:
+            remote.registry.remove_listener(self.refresh_models)
+            disconnect(remote.activityChanged, self._remote_activity)
+            self._registry_watched = False
 
     def set_number(self, n: int) -> None:
         """1-based position in the workspace (for Ctrl/⌘+n and accessible names)."""
@@ -251,6 +321,8 @@ class ChatPane(QFrame):
         self.header.update()
 
     def eventFilter(self, obj: QObject, event: QEvent) -> bool:
+        if event.type() == QEvent.Type.Resize and obj is self.view.viewport():
+            self.empty_label.setGeometry(self.view.viewport().rect())
         if event.type() == QEvent.Type.FocusIn:
             self.focusedIn.emit(self)
         return False
@@ -347,7 +419,14 @@ class ChatPane(QFrame):
     def open_settings(self) -> None:
         if self.session is None:
             return
-        dialog = ChatSettingsDialog(self.session.title, self.session.settings, self)
+        manager = self.session.manager
+        dialog = ChatSettingsDialog(
+            self.session.title,
+            self.session.settings,
+            self,
+            defaults=getattr(getattr(manager, "default_settings", None), "sampling", None),
+            defaults_source=getattr(manager, "default_source", ""),
+        )
         if dialog.exec() == QDialog.DialogCode.Accepted:
             self.session.set_settings(dialog.value())
             self.settingsChanged.emit(self.session.id)
@@ -404,12 +483,42 @@ class ChatPane(QFrame):
         self.empty_label.setVisible(not has)
         self.empty_label.setGeometry(self.view.viewport().rect())
 
-    def _on_snapshot(self, _snapshot: Any) -> None:
+    def _on_snapshot(self, snapshot: Any) -> None:
         self._update_footer()
+        if self.model is None or self.session is None:
+            return
+        stats = snapshot.sessions.get(self.session.id) if snapshot is not None else None
+        total = getattr(stats, "prompt_tokens_total", 0) if self.session.busy else 0
+        self.model.set_prompt_progress(
+            (stats.prompt_tokens_done, total) if stats is not None and total else None
+        )
+
+    def _update_remote_footer(self) -> None:
+        s = self.footer_stats()
+        tps = f"{s['tokens_per_s']:.1f} tok/s" if s["tokens_per_s"] else "— tok/s"
+        ctx = _fmt_int(s["context"]) if s["context"] else "—"
+        text = f"{tps}   ·   {ctx} tokens   ·   remote: no local KV blocks"
+        if text != self.footer.text():
+            self.footer.setText(text)
+            self.footer.setToolTip(
+                f"{text}\n\nSpeed of the provider's stream · tokens in context (the server's"
+                " own count, from its last reply) · a remote chat holds no blocks of this pool")
 
     def footer_stats(self) -> dict[str, Any]:
         """What the footer shows, as numbers (tests read this)."""
         session = self.session
+        if session is not None and session.is_remote:
+            remote = session.remote
+            live = remote.tokens_per_s(session.id) if (remote and session.busy) else 0.0
+            usage = session.last_usage
+            return {
+                "tokens_per_s": live or (usage.get("decode_tokens_per_s") if usage else None),
+                "context": session.context_tokens,
+                "max_context": None,
+                "blocks_held": 0,
+                "blocks_shared": 0,
+                "remote": True,
+            }
         snap = self.bridge.latest_snapshot
         stats = snap.sessions.get(session.id) if (snap is not None and session) else None
         out: dict[str, Any] = {
@@ -433,6 +542,9 @@ class ChatPane(QFrame):
     def _update_footer(self, *_args: object) -> None:
         if self.session is None:
             return
+        if self.session.is_remote:
+            self._update_remote_footer()
+            return
         if self.bridge.status == EngineStatus.LOADING:
             self.footer.setText("Loading model…")
             return
@@ -450,6 +562,6 @@ class ChatPane(QFrame):
         if text != self.footer.text():
             self.footer.setText(text)
             self.footer.setToolTip(
-                "Decode speed · context used / context limit · KV blocks held by this chat "
-                "(shared: also held by another sequence)"
+                f"{text}\n\nDecode speed · context used / context limit · KV blocks held by "
+                "this chat (shared: also held by another sequence)"
             )

@@ -44,9 +44,11 @@ class ChatSession(QObject):
     settingsChanged = Signal()
     contextChanged = Signal()  # context_tokens or last_usage changed
     notice = Signal(str)  # a message for the user (refused input, engine errors)
+    modelChanged = Signal(str)  # the chat's model ("" = the local engine)
 
     def __init__(self, conversation: Conversation, store: Any, bridge: Any) -> None:
         super().__init__()
+        self.manager: Any = None  # the SessionManager that made it (new-chat defaults)
         self.conversation = conversation
         self.store = store
         self.bridge = bridge
@@ -81,6 +83,33 @@ class ChatSession(QObject):
         return self.conversation.settings
 
     @property
+    def model_ref(self) -> str:
+        """"" for the local engine's model, else "<provider id>:<model>" (core.providers)."""
+        return self.conversation.model
+
+    @property
+    def remote(self) -> Any:
+        """The RemoteBridge for remote chats (None when the app has none)."""
+        return getattr(self.manager, "remote", None)
+
+    @property
+    def is_remote(self) -> bool:
+        return bool(self.conversation.model)
+
+    def set_model(self, ref: str) -> bool:
+        """Talk to another model from the next reply on (refused while answering)."""
+        if ref == self.conversation.model:
+            return True
+        if self.busy:
+            self.notice.emit("This chat is still answering; stop it before changing its model.")
+            return False
+        self.conversation.model = ref
+        self.store.set_chat_model(self.id, ref)
+        self.modelChanged.emit(ref)
+        self._refresh_context()
+        return True
+
+    @property
     def busy(self) -> bool:
         return bool(self._requests)
 
@@ -107,9 +136,9 @@ class ChatSession(QObject):
             return False
         parent = self.tree.active_leaf
         user = self._new_message(parent, "user", text, Status.COMPLETE)
-        if self.title == DEFAULT_TITLE:
-            self.rename(title_from(text))
         self._reply(user.id, n=1)
+        if self.title == DEFAULT_TITLE:  # after the reply is on the path: the chat has begun
+            self.rename(title_from(text))
         return True
 
     def regenerate(self, message_id: str | None = None, n: int = 1) -> bool:
@@ -159,7 +188,13 @@ class ChatSession(QObject):
     def stop(self) -> None:
         """Cancel the running request(s); the partial replies stay, marked as stopped."""
         for rid in list(self._requests):
-            self.bridge.cancel(rid)
+            self._cancel(rid)
+
+    def _cancel(self, request_id: str) -> None:
+        if self.remote is not None and self.remote.owns(request_id):
+            self.remote.cancel(request_id)  # closes the HTTP stream
+        else:
+            self.bridge.cancel(request_id)
 
     def rename(self, title: str) -> None:
         title = title.strip() or DEFAULT_TITLE
@@ -199,7 +234,12 @@ class ChatSession(QObject):
         self.store.touch_conversation(self.id)
         try:
             params = dataclasses.replace(self.settings.sampling, n=n)  # validates
-            rid = self.bridge.submit(prompt, params, self.id)
+            if self.is_remote:
+                if self.remote is None:
+                    raise RuntimeError("Remote providers are not available here.")
+                rid = self.remote.submit(self.model_ref, prompt, params, self.id)
+            else:
+                rid = self.bridge.submit(prompt, params, self.id)
         except (ValueError, RuntimeError) as exc:
             for r in replies:
                 self._finish(r, Status.ERROR, "", {"error": str(exc)})
@@ -261,8 +301,7 @@ class ChatSession(QObject):
         if event.error:
             meta["error"] = event.error
         self._finish(msg, status, text, meta)
-        if status == Status.ERROR and event.error:
-            self.notice.emit(event.error)
+        # an engine error is shown once, in the reply it ended (not also as a notice)
         if all(i is None for i in ids):
             del self._requests[request_id]
             if not self._requests:
@@ -284,7 +323,7 @@ class ChatSession(QObject):
         self._quitting = True
         was_busy = self.busy
         for rid, ids in list(self._requests.items()):
-            self.bridge.cancel(rid)
+            self._cancel(rid)
             for mid in ids:
                 if mid is not None:
                     msg = self.tree.get(mid)
@@ -314,6 +353,12 @@ class ChatSession(QObject):
             self.context_tokens = 0
             self.contextChanged.emit()
             return
+        if self.is_remote:  # another tokenizer: only the server's own count is right
+            u = self.last_usage
+            self.context_tokens = (u.get("prompt_tokens", 0) + u.get("generated_tokens", 0)
+                                   if u.get("prompt_tokens") else None)
+            self.contextChanged.emit()
+            return
 
         async def count() -> None:
             n = await self.bridge.count_tokens(messages)
@@ -336,15 +381,19 @@ class SessionManager(QObject):
     conversationsChanged = Signal()  # titles, order or membership changed (sidebar refresh)
     busyChanged = Signal(str, bool)  # session id, busy
 
-    def __init__(self, store: Any, bridge: Any, parent: QObject | None = None) -> None:
+    def __init__(self, store: Any, bridge: Any, parent: QObject | None = None,
+                 remote: Any = None) -> None:
         super().__init__(parent)
         self.store = store
         self.bridge = bridge
+        self.remote = remote  # RemoteBridge: remote chats' replies, the same signals
         self.sessions: dict[str, ChatSession] = {}
-        bridge.tokenReceived.connect(self._on_token)
-        bridge.finalReceived.connect(self._on_final)
+        for source in (bridge, remote) if remote is not None else (bridge,):
+            source.tokenReceived.connect(self._on_token)
+            source.finalReceived.connect(self._on_final)
         bridge.modelReady.connect(self._on_ready)
         self.default_settings = ChatSettings()
+        self.default_source = ""  # where default_settings' sampling comes from (for the UI)
 
     def get(self, conversation_id: str) -> ChatSession | None:
         """The session of a conversation, loading it from the store if needed."""
@@ -367,17 +416,19 @@ class SessionManager(QObject):
 
     def _adopt(self, conv: Conversation) -> ChatSession:
         session = ChatSession(conv, self.store, self.bridge)
+        session.manager = self
         self.sessions[conv.id] = session
         session.titleChanged.connect(lambda _t: self.conversationsChanged.emit())
         session.busyChanged.connect(lambda b, sid=conv.id: self._busy(sid, b))
+        session.modelChanged.connect(lambda _m: self.conversationsChanged.emit())
         self.sessionCreated.emit(conv.id)
         session.refresh_context()
         return session
 
     def _busy(self, session_id: str, busy: bool) -> None:
         self.busyChanged.emit(session_id, busy)
-        if not busy:
-            self.conversationsChanged.emit()  # "updated" order changed
+        self.conversationsChanged.emit()  # "updated" order changed, or a first message
+
 
     def rename(self, conversation_id: str, title: str) -> None:
         session = self.sessions.get(conversation_id)
@@ -408,6 +459,8 @@ class SessionManager(QObject):
         if session is not None:
             session.close()
         self.bridge.cancel_session(conversation_id)
+        if self.remote is not None:
+            self.remote.cancel_session(conversation_id)
         self.store.delete_conversation(conversation_id)
         colors.forget(conversation_id)
         self.sessionDeleted.emit(conversation_id)
@@ -419,6 +472,9 @@ class SessionManager(QObject):
         conv = self.store.create_conversation(
             title_from(f"Branch of {session.title}"), copy_settings(session.settings)
         )
+        if session.model_ref:  # a branch talks to the same model
+            conv.model = session.model_ref
+            self.store.set_chat_model(conv.id, conv.model)
         copies = branch_copies(path, conv.id, session.id, message_id)
         self.store.add_messages(copies)
         leaf = copies[-1].id if copies else None

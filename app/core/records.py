@@ -59,6 +59,7 @@ class Conversation:
     settings: ChatSettings = field(default_factory=ChatSettings)
     active_leaf: str | None = None
     color_index: int = 0
+    model: str = ""  # "" = the local engine; else "<provider id>:<model id>" (core.providers)
 
 
 @dataclass

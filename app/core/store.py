@@ -1,10 +1,16 @@
 """SQLite persistence: conversations, message trees, per-chat settings, app settings, layout.
 
 One file (`pagedchat.sqlite3`) in the app-data folder, in WAL mode with synchronous=NORMAL: each
-statement commits on its own, so a killed process loses nothing that was written, and writes
-(a few hundred microseconds) are cheap enough to do on the GUI thread. Replies being streamed are
-written as they grow (by the chat session, about once a second); at open, a reply still marked
-"streaming" can only come from a process that died, so it is marked "interrupted".
+statement commits on its own, so a killed process loses nothing that was written. Writes take a
+few hundred microseconds and are tried at once on the GUI thread, never waiting on a lock; when
+the disk misbehaves (another program holds the lock, the disk is full, the folder turned
+read-only) they are held in memory, in order, and replayed by a retry thread (app/core/db_writer)
+while listeners tell the user; nothing is lost unless the app quits before the fault passes.
+At open the file is checked and, if damaged, moved aside and salvaged (app/core/db_recovery);
+the schema is versioned (app/core/schema). Text is stored with lone surrogates replaced by
+U+FFFD. Replies being streamed are written as they grow (by the chat session, about once a
+second); at open, a reply still marked "streaming" can only come from a process that died, so
+it is marked "interrupted".
 """
 
 from __future__ import annotations
@@ -12,42 +18,47 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from app.core import schema
+from app.core.db_recovery import Recovery, StoreOpenError, open_checked
+from app.core.db_writer import SaveState, WriteBehind
 from app.core.records import ChatSettings, Conversation, Message, Status, new_id
 
-DB_NAME = "pagedchat.sqlite3"
-SCHEMA_VERSION = 1
+__all__ = ["DB_NAME", "Recovery", "SaveState", "Store", "StoreOpenError", "clean_text"]
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS conversations (
-    id TEXT PRIMARY KEY,
-    title TEXT NOT NULL,
-    created REAL NOT NULL,
-    updated REAL NOT NULL,
-    settings TEXT NOT NULL DEFAULT '{}',
-    active_leaf TEXT,
-    color_index INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS messages (
-    id TEXT PRIMARY KEY,
-    conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-    parent_id TEXT REFERENCES messages(id) ON DELETE CASCADE,
-    role TEXT NOT NULL,
-    content TEXT NOT NULL,
-    status TEXT NOT NULL,
-    created REAL NOT NULL,
-    active_child TEXT,
-    meta TEXT NOT NULL DEFAULT '{}'
-);
-CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id);
-CREATE TABLE IF NOT EXISTS kv (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-"""
+DB_NAME = "pagedchat.sqlite3"
+SCHEMA_VERSION = schema.schema_version()
+CLOSE_FLUSH_S = 3.0  # how long quitting waits for writes held back by a fault
+
+
+def _configure(db: sqlite3.Connection) -> None:
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("PRAGMA foreign_keys=ON")
+
+
+def clean_text(text: str) -> str:
+    """`text` with lone surrogates (a broken paste) replaced by U+FFFD, visibly.
+
+    SQLite stores UTF-8, which cannot encode a lone surrogate; a valid surrogate pair that
+    arrived as two code points is joined into its character.
+    """
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+def _clean(args: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(clean_text(a) if isinstance(a, str) else a for a in args)
+
+
+def _json(value: Any) -> str:
+    return clean_text(json.dumps(value, ensure_ascii=False))
 
 
 def _like_pattern(text: str) -> str:
@@ -56,27 +67,64 @@ def _like_pattern(text: str) -> str:
 
 
 class Store:
-    """All reads and writes of the app's durable state. Not thread-safe: GUI thread only."""
+    """All reads and writes of the app's durable state. Not thread-safe: GUI thread only
+    (the retry thread has its own connection and touches only the held-back writes)."""
 
     def __init__(self, data_dir: str | Path) -> None:
         self.data_dir = Path(data_dir)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreOpenError(
+                f"The data folder {self.data_dir} cannot be created: {exc.strerror or exc}."
+            ) from exc
         self.path = self.data_dir / DB_NAME
-        self._db = sqlite3.connect(str(self.path), isolation_level=None)
+        self._db, self.recovery = open_checked(self.path)
         self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(_SCHEMA)
-        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        try:
+            _configure(self._db)
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise StoreOpenError(f"The chat database {self.path} cannot be opened: {exc}.") from exc
+        self.writer = WriteBehind(self.path, self._db, _configure)
+        self.unsaved_at_close = 0
+        self._kv_written: dict[str, str] = {}
         # A reply still "streaming" or "pending" belongs to a process that is gone.
         self.recovered_interrupted = self._db.execute(
-            "UPDATE messages SET status=? WHERE status IN (?, ?)",
-            (Status.INTERRUPTED, Status.STREAMING, Status.PENDING),
-        ).rowcount
+            "SELECT count(*) FROM messages WHERE status IN (?, ?)",
+            (Status.STREAMING, Status.PENDING),
+        ).fetchone()[0]
+        if self.recovered_interrupted:
+            self._write(
+                "UPDATE messages SET status=? WHERE status IN (?, ?)",
+                (Status.INTERRUPTED, Status.STREAMING, Status.PENDING),
+            )
 
     def close(self) -> None:
+        """Write what a fault held back (for a few seconds at most), then close."""
+        self.unsaved_at_close = self.writer.close(CLOSE_FLUSH_S)
         self._db.close()
+
+    # ---- saving ----------------------------------------------------------------------------
+
+    def _write(self, sql: str, args: Sequence[Any] = ()) -> None:
+        self.writer.write([(sql, _clean(args))])
+
+    def _write_many(self, ops: Iterable[tuple[str, Sequence[Any]]]) -> None:
+        """Several statements as one transaction (all or nothing)."""
+        self.writer.write([(sql, _clean(args)) for sql, args in ops])
+
+    @property
+    def save_state(self) -> SaveState:
+        """Whether writes reach the disk now, and how many wait in memory."""
+        return self.writer.state
+
+    def add_save_listener(self, listener: Callable[[SaveState], None]) -> None:
+        """Called (from any thread) when saving stops or starts working again."""
+        self.writer.add_listener(listener)
+
+    def retry_saving(self) -> None:
+        self.writer.retry_now()
 
     # ---- conversations -------------------------------------------------------------------
 
@@ -94,7 +142,8 @@ class Store:
             settings=settings or ChatSettings(),
             color_index=index,
         )
-        self._db.execute(
+        conv.title = clean_text(conv.title)
+        self._write(
             "INSERT INTO conversations(id, title, created, updated, settings, active_leaf,"
             " color_index) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (
@@ -102,7 +151,7 @@ class Store:
                 conv.title,
                 conv.created,
                 conv.updated,
-                json.dumps(conv.settings.to_dict()),
+                _json(conv.settings.to_dict()),
                 None,
                 conv.color_index,
             ),
@@ -122,6 +171,7 @@ class Store:
             settings=settings,
             active_leaf=row["active_leaf"],
             color_index=row["color_index"],
+            model=row["model"] or "",
         )
 
     def list_conversations(self) -> list[Conversation]:
@@ -136,29 +186,31 @@ class Store:
         return self._conversation(row) if row else None
 
     def rename_conversation(self, conversation_id: str, title: str) -> None:
-        self._db.execute("UPDATE conversations SET title=? WHERE id=?", (title, conversation_id))
+        self._write("UPDATE conversations SET title=? WHERE id=?", (title, conversation_id))
 
     def touch_conversation(self, conversation_id: str) -> None:
-        self._db.execute(
-            "UPDATE conversations SET updated=? WHERE id=?", (time.time(), conversation_id)
-        )
+        self._write("UPDATE conversations SET updated=? WHERE id=?", (time.time(), conversation_id))
 
     def delete_conversation(self, conversation_id: str) -> None:
-        with self._db:  # one transaction: messages and conversation go together
-            self._db.execute("BEGIN")
-            self._db.execute("DELETE FROM messages WHERE conversation_id=?", (conversation_id,))
-            self._db.execute("DELETE FROM conversations WHERE id=?", (conversation_id,))
+        self._write_many(  # one transaction: messages and conversation go together
+            [
+                ("DELETE FROM messages WHERE conversation_id=?", (conversation_id,)),
+                ("DELETE FROM conversations WHERE id=?", (conversation_id,)),
+            ]
+        )
 
     def save_chat_settings(self, conversation_id: str, settings: ChatSettings) -> None:
-        self._db.execute(
+        self._write(
             "UPDATE conversations SET settings=? WHERE id=?",
-            (json.dumps(settings.to_dict()), conversation_id),
+            (_json(settings.to_dict()), conversation_id),
         )
 
+    def set_chat_model(self, conversation_id: str, model: str) -> None:
+        """Which model the chat talks to ("" = the local engine)."""
+        self._write("UPDATE conversations SET model=? WHERE id=?", (model, conversation_id))
+
     def set_active_leaf(self, conversation_id: str, leaf_id: str | None) -> None:
-        self._db.execute(
-            "UPDATE conversations SET active_leaf=? WHERE id=?", (leaf_id, conversation_id)
-        )
+        self._write("UPDATE conversations SET active_leaf=? WHERE id=?", (leaf_id, conversation_id))
 
     def search(self, text: str) -> set[str]:
         """Ids of conversations whose title or any message contains `text` (case-insensitive)."""
@@ -166,14 +218,16 @@ class Store:
         rows = self._db.execute(
             "SELECT id FROM conversations WHERE title LIKE ? ESCAPE '\\' "
             "UNION SELECT DISTINCT conversation_id FROM messages WHERE content LIKE ? ESCAPE '\\'",
-            (pattern, pattern),
+            _clean((pattern, pattern)),
         )
         return {r[0] for r in rows}
 
     # ---- messages ------------------------------------------------------------------------
 
-    def add_message(self, message: Message) -> None:
-        self._db.execute(
+    @staticmethod
+    def _insert_message(message: Message) -> tuple[str, tuple[Any, ...]]:
+        message.content = clean_text(message.content)  # what is shown is what is stored
+        return (
             "INSERT INTO messages(id, conversation_id, parent_id, role, content, status,"
             " created, active_child, meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
@@ -185,16 +239,18 @@ class Store:
                 message.status,
                 message.created,
                 message.active_child,
-                json.dumps(message.meta),
+                _json(message.meta),
             ),
         )
 
+    def add_message(self, message: Message) -> None:
+        self._write(*self._insert_message(message))
+
     def add_messages(self, messages: Iterable[Message]) -> None:
         """Insert several messages in one transaction (branching copies a whole path)."""
-        with self._db:
-            self._db.execute("BEGIN")
-            for m in messages:
-                self.add_message(m)
+        ops = [self._insert_message(m) for m in messages]
+        if ops:
+            self._write_many(ops)
 
     def update_message(
         self,
@@ -213,14 +269,14 @@ class Store:
             args.append(status)
         if meta is not None:
             sets.append("meta=?")
-            args.append(json.dumps(meta))
+            args.append(_json(meta))
         if not sets:
             return
         args.append(message_id)
-        self._db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id=?", args)
+        self._write(f"UPDATE messages SET {', '.join(sets)} WHERE id=?", args)
 
     def set_active_child(self, parent_id: str, child_id: str) -> None:
-        self._db.execute("UPDATE messages SET active_child=? WHERE id=?", (child_id, parent_id))
+        self._write("UPDATE messages SET active_child=? WHERE id=?", (child_id, parent_id))
 
     def load_messages(self, conversation_id: str) -> list[Message]:
         """Every message of a conversation, in insertion order (siblings keep their order)."""
@@ -261,17 +317,22 @@ class Store:
     # ---- key/value (app settings, window layout) -----------------------------------------
 
     def get_value(self, key: str, default: Any = None) -> Any:
-        row = self._db.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()
-        if not row:
-            return default
+        text = self._kv_written.get(key)  # this run's value, saved or still held back
+        if text is None:
+            row = self._db.execute("SELECT value FROM kv WHERE key=?", _clean((key,))).fetchone()
+            if not row:
+                return default
+            text = row[0]
         try:
-            return json.loads(row[0])
+            return json.loads(text)
         except ValueError:
             return default
 
     def set_value(self, key: str, value: Any) -> None:
-        self._db.execute(
+        text = _json(value)
+        self._kv_written[key] = text
+        self._write(
             "INSERT INTO kv(key, value) VALUES (?, ?) "
             "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-            (key, json.dumps(value)),
+            (key, text),
         )

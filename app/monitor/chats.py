@@ -32,6 +32,10 @@ class Chats(Protocol):
     def focus_chat(self, session_id: str) -> bool:
         """Focus the pane showing this chat; False when it is not open in a pane."""
 
+    def remote_sessions(self) -> dict[str, Any]:
+        """Rows for chats talking to a remote provider (state "remote", no blocks), by
+        session id; their fields are SessionStats'. Optional: absent means none."""
+
 
 class NoChats(QObject):
     """The Chats of a monitor shown without the app (never hovers, never focuses)."""

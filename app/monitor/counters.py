@@ -8,6 +8,7 @@ reading; `CountersWidget` lays out the numbers as label/value pairs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from PySide6.QtCore import QEvent, QRectF, QSize, Qt
 from PySide6.QtGui import QBrush, QColor, QPainter, QPainterPath, QPaintEvent
@@ -182,14 +183,13 @@ class CountersWidget(QWidget):
         super().__init__(parent)
         self.setObjectName("monitorCounters")
         self.setAccessibleName("KV pool counters")
-        grid = QGridLayout(self)
-        grid.setContentsMargins(0, 0, 0, 0)
-        grid.setHorizontalSpacing(8)
-        grid.setVerticalSpacing(3)
+        self.grid = QGridLayout(self)
+        self.grid.setContentsMargins(0, 0, 0, 0)
+        self.grid.setHorizontalSpacing(8)
+        self.grid.setVerticalSpacing(3)
         self.values: dict[str, QLabel] = {}
-        half = (len(self.FIELDS) + 1) // 2
-        for i, (key, label, tip) in enumerate(self.FIELDS):
-            row, col = i % half, (i // half) * 2
+        self._names: dict[str, QLabel] = {}
+        for key, label, tip in self.FIELDS:
             name = QLabel(label)
             name.setObjectName("counterLabel")
             name.setToolTip(tip)
@@ -199,29 +199,75 @@ class CountersWidget(QWidget):
             value.setAccessibleName(label)
             value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-            grid.addWidget(name, row, col)
-            grid.addWidget(value, row, col + 1)
+            self._names[key] = name
             self.values[key] = value
-        grid.setColumnStretch(1, 1)
-        grid.setColumnStretch(3, 1)
-        grid.setColumnMinimumWidth(2, 0)
+        self.columns = 0
         self._fix_value_sizes()
+        self._arrange(2)
+
+    def _arrange(self, columns: int) -> None:
+        """Two label/value columns when the dock is wide enough, else one (so the dock can
+        be narrow without clipping the values)."""
+        if columns == self.columns:
+            return
+        self.columns = columns
+        for i in reversed(range(self.grid.count())):
+            self.grid.takeAt(i)
+        rows = (len(self.FIELDS) + columns - 1) // columns
+        for i, (key, _label, _tip) in enumerate(self.FIELDS):
+            row, col = i % rows, (i // rows) * 2
+            self.grid.addWidget(self._names[key], row, col)
+            self.grid.addWidget(self.values[key], row, col + 1)
+        for c in range(4):
+            self.grid.setColumnStretch(c, 1 if c in (1, 3) and c < 2 * columns else 0)
+
+    def _width_for(self, columns: int) -> int:
+        """The width `columns` label/value pairs need."""
+        keys = [k for k, _, _ in self.FIELDS]
+        rows = (len(keys) + columns - 1) // columns
+        spacing = self.grid.horizontalSpacing()
+        total = 0
+        for c in range(columns):
+            group = keys[c * rows : (c + 1) * rows]
+            names = max(self._names[k].sizeHint().width() for k in group)
+            values = max(self.values[k].width() for k in group)
+            total += names + spacing + values
+        return total + (columns - 1) * spacing
+
+    def _height_for(self, columns: int) -> int:
+        rows = (len(self.FIELDS) + columns - 1) // columns
+        return rows * (self.values["used"].height() + self.grid.verticalSpacing())
+
+    def minimumSizeHint(self) -> QSize:
+        """One column's width (the dock may be narrow), the current arrangement's height."""
+        return QSize(self._width_for(1), self._height_for(max(1, self.columns)))
+
+    def resizeEvent(self, event: Any) -> None:
+        columns = 2 if event.size().width() >= self._width_for(2) else 1
+        if columns != self.columns:
+            self._arrange(columns)
+            self.updateGeometry()  # the height it needs changed
+        super().resizeEvent(event)
 
     def _fix_value_sizes(self) -> None:
         """Fixed-size value labels: a label whose size is fixed does not invalidate the
         layout when its text changes, so a 10 Hz refresh repaints just the labels."""
-        keys = [k for k, _, _ in self.FIELDS]
-        half = (len(keys) + 1) // 2
-        for column in (keys[:half], keys[half:]):
-            fm = self.values[column[0]].fontMetrics()
-            width = max(fm.horizontalAdvance(WIDEST[k]) for k in column) + 2
-            for k in column:
-                self.values[k].setFixedSize(width, fm.height() + 2)
+        fm = self.values["used"].fontMetrics()  # the labels' own (possibly smaller) font
+        width = max(fm.horizontalAdvance(WIDEST[k]) for k, _, _ in self.FIELDS) + 2
+        for k, _, _ in self.FIELDS:
+            self.values[k].setFixedSize(width, fm.height() + 2)
 
     def changeEvent(self, event: QEvent) -> None:
         super().changeEvent(event)
         if event.type() == QEvent.Type.FontChange:
-            self._fix_value_sizes()
+            self.refit()
+
+    def refit(self) -> None:
+        """Re-measure after the labels' fonts changed (the monitor shrinks them)."""
+        self._fix_value_sizes()
+        self.columns = 0  # re-arrange for the current width
+        self._arrange(2 if self.width() >= self._width_for(2) else 1)
+        self.updateGeometry()
 
     def set_counters(self, c: PoolCounters) -> None:
         texts = {

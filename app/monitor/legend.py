@@ -43,6 +43,7 @@ STATE_LABELS = {
     "decoding": "decoding",
     "preempted": "preempted",
     "finished": "idle",
+    "remote": "remote",
 }
 STATE_TIPS = {
     "waiting": "Queued: waiting for free blocks or a batch slot",
@@ -50,6 +51,7 @@ STATE_TIPS = {
     "decoding": "Generating, one token per step in the shared batch",
     "preempted": "Evicted to make room: its blocks were freed; it will be recomputed",
     "finished": "Nothing running: the chat holds no blocks",
+    "remote": "Talks to a remote provider: it holds no blocks of this pool",
 }
 
 
@@ -131,9 +133,13 @@ class LegendModel(QAbstractTableModel):
 
     # ---- updates ---------------------------------------------------------------------------
 
-    def update_from(self, snap: Any, name: Callable[[str], str]) -> None:
-        """Bring the rows in line with `snap.sessions` with minimal model signals."""
+    def update_from(self, snap: Any, name: Callable[[str], str],
+                    remote: dict[str, Any] | None = None) -> None:
+        """Bring the rows in line with `snap.sessions` (and the remote chats' rows, which
+        hold no blocks) with minimal model signals."""
         sessions = dict(snap.sessions) if snap is not None else {}
+        for sid, stats in (remote or {}).items():
+            sessions.setdefault(sid, stats)
         for i in range(len(self._rows) - 1, -1, -1):
             if self._rows[i].session_id not in sessions:
                 self.beginRemoveRows(QModelIndex(), i, i)
@@ -170,6 +176,23 @@ class LegendModel(QAbstractTableModel):
             self.beginInsertRows(QModelIndex(), first, first + len(new_rows) - 1)
             self._rows.extend(new_rows)
             self.endInsertRows()
+        self._active_first()
+
+    def _active_first(self) -> None:
+        """Chats that are prefilling, decoding or waiting come first (stable otherwise), so
+        the busy ones are never hidden below the table's scroll edge."""
+        order = sorted(range(len(self._rows)), key=lambda i: self._rows[i].state == "finished")
+        if order == list(range(len(self._rows))):
+            return
+        self.layoutAboutToBeChanged.emit()
+        moved = {old: new for new, old in enumerate(order)}
+        persistent = self.persistentIndexList()
+        self._rows = [self._rows[i] for i in order]
+        self.changePersistentIndexList(
+            persistent,
+            [self.index(moved[ix.row()], ix.column()) for ix in persistent],
+        )
+        self.layoutChanged.emit()
 
     def refresh_colors(self) -> None:
         """Chat colours can change (a conversation registered later): redraw the swatches."""

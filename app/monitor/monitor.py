@@ -102,7 +102,7 @@ class MonitorPanel(QWidget):
             self.show_snapshot(bridge.latest_snapshot)
 
     def sizeHint(self) -> QSize:
-        return QSize(384, 760)
+        return QSize(404, 760)  # wide enough for the counters in two columns
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -168,6 +168,7 @@ class MonitorPanel(QWidget):
             _small(label, 0.92)
             if label.objectName() == "counterLabel":
                 label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        self.counters.refit()
         v.addWidget(self.counters)
 
         v.addSpacing(6)
@@ -234,7 +235,8 @@ class MonitorPanel(QWidget):
             )
             if described != self.block_map.accessibleDescription():
                 self.block_map.setAccessibleDescription(described)
-        self.legend_model.update_from(snap, self.title)
+        remote = getattr(self.chats, "remote_sessions", None)
+        self.legend_model.update_from(snap, self.title, remote() if remote else None)
 
     def showEvent(self, event: Any) -> None:
         super().showEvent(event)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from PySide6.QtCore import QPointF, QRectF, QSize, Qt
@@ -23,7 +24,7 @@ from PySide6.QtGui import (
     QPixmap,
     QPolygonF,
 )
-from PySide6.QtWidgets import QSizePolicy, QWidget
+from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
 from app.monitor import style
 
@@ -107,6 +108,41 @@ class TimelineWidget(QWidget):
         self.clock: Callable[[], float] = time.monotonic
         self._chrome_key: tuple | None = None
         self._chrome_pixmap: QPixmap | None = None
+        self.setMouseTracking(True)  # the hover readout
+        self.hover_text = ""
+
+    def readout_at(self, x: float) -> str:
+        """The sample under x (widget coordinates), in words: its age and values."""
+        now = self.clock()
+        s = self.samples.series(since=now - WINDOW_S)
+        if not len(s["t"]):
+            return ""
+        rate_max = nice_ceiling(float(s["rate"].max()))
+        plot = self._plot_rect(f"{self.blocks_scale(s):,} blk", f"{rate_max:g} tok/s")
+        if plot.width() <= 0 or not plot.left() - 2 <= x <= plot.right() + 2:
+            return ""
+        age = (plot.right() - x) / plot.width() * WINDOW_S
+        i = int(np.argmin(np.abs((now - s["t"]) - age)))
+        ago = now - s["t"][i]
+        when = "now" if ago < 0.5 else f"{ago:.0f} s ago"
+        return (
+            f"{when}: {int(s['used'][i]):,} blocks used · {int(s['cached'][i]):,} cached · "
+            f"{int(s['shared'][i]):,} shared · {s['rate'][i]:.1f} tok/s"
+        )
+
+    def mouseMoveEvent(self, event: Any) -> None:
+        text = self.readout_at(event.position().x())
+        self.hover_text = text
+        if text:
+            QToolTip.showText(event.globalPosition().toPoint(), text, self, self.rect(), 60_000)
+        else:
+            QToolTip.hideText()
+        super().mouseMoveEvent(event)
+
+    def leaveEvent(self, event: Any) -> None:
+        self.hover_text = ""
+        QToolTip.hideText()
+        super().leaveEvent(event)
 
     def add(self, used: int, cached: int, shared: int, rate: float, num_blocks: int) -> None:
         if num_blocks != self.num_blocks:
@@ -174,10 +210,14 @@ class TimelineWidget(QWidget):
             p.drawText(QRectF(0, plot.top() - h / 2, plot.left() - 4, h), right, left_label)
             p.drawText(QRectF(0, plot.bottom() - h / 2, plot.left() - 4, h), right, "0")
             p.drawText(QRectF(plot.right() + 4, plot.top() - h / 2, 200, h), left, right_label)
-            p.drawText(QRectF(plot.left(), plot.bottom() + 2, 60, h),
-                       Qt.AlignmentFlag.AlignLeft, "−60 s")
-            p.drawText(QRectF(plot.right() - 60, plot.bottom() + 2, 60, h),
-                       Qt.AlignmentFlag.AlignRight, "now")
+            p.drawText(
+                QRectF(plot.left(), plot.bottom() + 2, 60, h), Qt.AlignmentFlag.AlignLeft, "−60 s"
+            )
+            p.drawText(
+                QRectF(plot.right() - 60, plot.bottom() + 2, 60, h),
+                Qt.AlignmentFlag.AlignRight,
+                "now",
+            )
             self._paint_key(p, plot, h, text, muted)
         p.end()
         self._chrome_key, self._chrome_pixmap = key, pixmap
@@ -197,7 +237,13 @@ class TimelineWidget(QWidget):
             xs = plot.right() - (now - s["t"]) / WINDOW_S * plot.width()
             xs, s = decimate(xs, s, BUCKET_PX)
             self._paint_series(
-                p, plot, xs, s, blocks_max, rate_max, pal.color(pal.ColorRole.Text),
+                p,
+                plot,
+                xs,
+                s,
+                blocks_max,
+                rate_max,
+                pal.color(pal.ColorRole.Text),
                 style.surface(pal),
             )
         p.end()
@@ -260,8 +306,11 @@ class TimelineWidget(QWidget):
         p.setBrush(Qt.BrushStyle.NoBrush)
         p.setRenderHint(QPainter.RenderHint.Antialiasing, True)
         rate_y = plot.bottom() - np.clip(s["rate"] / rate_max, 0, 1) * plot.height()
-        for ys, color in ((used_y, used_color), (y_blocks(s["shared"]), SHARED_COLOR),
-                          (rate_y, RATE_COLOR)):
+        for ys, color in (
+            (used_y, used_color),
+            (y_blocks(s["shared"]), SHARED_COLOR),
+            (rate_y, RATE_COLOR),
+        ):
             if len(xs) >= 2:
                 p.setPen(QPen(color, 1.0))
                 p.drawPolyline(polyline(xs, ys))

@@ -1,0 +1,129 @@
+"""``pagedchat serve``: the OpenAI-compatible server alone, with no window and no Qt at all.
+
+It binds before loading the model (a busy port fails in a second, not after the load),
+prints the URL once uvicorn listens, and on Ctrl+C / SIGTERM ends every open stream with a
+final chunk before it stops the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from app.server.keys import ENV_VAR, KeyUnavailable, resolve_key
+from app.server.routes import (
+    DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_REQUEST_BYTES,
+    ServerOptions,
+    create_app,
+)
+from app.server.runner import LOOPBACK, BindError, bind, is_loopback, serve_forever, url_of
+
+DEFAULT_PORT = 8080
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pagedchat serve",
+        description="Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) "
+        "from PagedChat's paged engine, without a window.",
+    )
+    p.add_argument("--host", default=LOOPBACK,
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default 8080)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="needed to listen on an address other than loopback")
+    p.add_argument("--model", metavar="SPEC", default="default",
+                   help="'default' (embedded SmolLM2), a local mlx-lm folder or a Hugging Face "
+                   "repo id")
+    p.add_argument("--kv-memory-mib", type=float, default=256.0, metavar="MIB",
+                   help="KV pool budget (default 256)")
+    p.add_argument("--max-batch", type=int, default=16,
+                   help="most sequences decoded in one step (default 16)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help=f"the bearer key clients must send (else ${ENV_VAR}, else the key kept "
+                   "in the OS keychain, generated on first run)")
+    p.add_argument("--show-key", action="store_true",
+                   help="print the key the server would require, and exit")
+    p.add_argument("--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT,
+                   help=f"requests in flight before answering 429 (default "
+                   f"{DEFAULT_MAX_CONCURRENT})")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body before answering 413 (default "
+                   f"{DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def _say(text: str, err: bool = False) -> None:
+    print(text, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        key, source = resolve_key(args.api_key)
+    except KeyUnavailable as exc:
+        _say(f"pagedchat serve: {exc}", err=True)
+        return 2
+    if args.show_key:
+        _say(key)
+        return 0
+    if not is_loopback(args.host):
+        if not args.allow_remote:
+            _say(f"pagedchat serve: {args.host} is reachable from other machines; pass "
+                 "--allow-remote as well if that is what you want", err=True)
+            return 2
+        _say(f"WARNING: listening on {args.host}: other machines can reach this server "
+             "(every request still needs the API key)", err=True)
+    if args.max_concurrent < 1 or args.max_request_bytes < 1024:
+        _say("pagedchat serve: --max-concurrent must be >= 1 and --max-request-bytes >= 1024",
+             err=True)
+        return 2
+
+    from engine import Engine, EngineConfig
+
+    try:
+        config = EngineConfig(model=args.model, kv_memory_mib=args.kv_memory_mib,
+                              max_batch=args.max_batch)
+    except ValueError as exc:
+        _say(f"pagedchat serve: {exc}", err=True)
+        return 2
+    try:
+        sock = bind(args.host, args.port)
+    except BindError as exc:
+        _say(f"pagedchat serve: {exc}", err=True)
+        return 1
+
+    engine = Engine(config)
+    # SIGTERM acts like Ctrl+C throughout: uvicorn re-raises the signal it caught once it
+    # has shut down, and this way that ends in the KeyboardInterrupt below (engine stopped,
+    # exit 0) instead of killing the process before the engine thread is stopped.
+    previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        _say(f"Loading {args.model} ...")
+        engine.start()
+        if not engine.wait_ready():
+            _say(f"pagedchat serve: the model did not load: {engine.load_error}", err=True)
+            return 1
+        app = create_app(engine, ServerOptions(
+            api_key=key, max_request_bytes=args.max_request_bytes,
+            max_concurrent=args.max_concurrent, model_aliases=("default", args.model)))
+        url = url_of(sock)
+        where = {"keychain": "the OS keychain (print it with `pagedchat serve --show-key`)"}
+
+        def started() -> None:
+            _say(f"PagedChat API serving {engine.model_info.name} at {url}")
+            _say(f"API key: from {where.get(source, source)}; press Ctrl+C to stop")
+
+        serve_forever(app, sock, started, log_level=args.log_level)
+    except KeyboardInterrupt:  # Ctrl+C / SIGTERM: while loading, or re-raised by uvicorn
+        pass
+    finally:
+        sock.close()
+        engine.stop()
+        signal.signal(signal.SIGTERM, previous_term)
+    _say("PagedChat API server stopped")
+    return 0

@@ -1,0 +1,252 @@
+"""OpenAI request bodies -> what the engine takes: messages or token ids, and SamplingParams.
+
+The engine's own ``SamplingParams`` is the one validator of sampling values (its ValueError
+names the field); this module only checks JSON types, maps the OpenAI field names onto it and
+turns its messages into 400 errors naming the request's parameter. Fields it does not know
+are ignored, as OpenAI-compatible servers do; fields it knows but cannot honour are refused
+with a message, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from app.server.errors import APIError
+from engine import SamplingParams
+
+MAX_STOP_STRINGS = 4
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """One validated request: exactly one of ``messages`` / ``prompt_text`` / ``prompt_tokens``."""
+
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    user: str | None
+    model: str | None
+    max_tokens_given: bool
+    messages: list[dict] | None = None
+    prompt_text: str | None = None
+    prompt_tokens: list[int] | None = None
+
+
+def parse_chat(body: Any) -> ParsedRequest:
+    body = _object(body)
+    messages = _messages(body.get("messages"))
+    return _common(body, messages=messages)
+
+
+def parse_completion(body: Any) -> ParsedRequest:
+    body = _object(body)
+    for name in ("echo",):
+        if body.get(name):
+            raise _unsupported(name)
+    if body.get("suffix"):
+        raise _unsupported("suffix")
+    best_of = body.get("best_of")
+    if best_of not in (None, 1) and best_of != body.get("n", 1):
+        raise _unsupported("best_of")
+    text, tokens = _prompt(body.get("prompt"))
+    return _common(body, prompt_text=text, prompt_tokens=tokens)
+
+
+def _common(body: dict, **prompt: Any) -> ParsedRequest:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name, 0.0)
+        if value != 0.0:
+            raise APIError(
+                400,
+                f"{name} is not supported by PagedChat's engine; send 0 (or leave it out) and "
+                "use repetition_penalty (a multiplicative penalty, 1.0 = off) instead",
+                param=name,
+                code="unsupported_parameter",
+            )
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        raise _unsupported("logprobs")
+    if body.get("tools"):
+        raise _unsupported("tools")
+    if body.get("logit_bias"):
+        raise _unsupported("logit_bias")
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        raise _unsupported("response_format")
+
+    stream = _boolean(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", param="stream_options")
+    include_usage = bool(options and _boolean(options, "include_usage", False, "stream_options"))
+
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else (
+        "max_tokens"
+    )
+    max_tokens = _integer(body, max_name, None)
+    values: dict[str, Any] = {
+        "temperature": _number(body, "temperature", 1.0),
+        "top_p": _number(body, "top_p", 1.0),
+        "top_k": _integer(body, "top_k", 0),
+        "min_p": _number(body, "min_p", 0.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0),
+        "n": _integer(body, "n", 1),
+        "seed": _integer(body, "seed", None),
+        "stop": _stop(body.get("stop")),
+        # A placeholder until the prompt's length is known (see with_max_tokens).
+        "max_tokens": max_tokens if max_tokens is not None else 1,
+    }
+    try:
+        params = SamplingParams(**values)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        param = _param_of(message, max_name)
+        raise APIError(400, message, param=param, code="invalid_value") from exc
+    user = body.get("user")
+    model = body.get("model")
+    return ParsedRequest(
+        params=params,
+        stream=stream,
+        include_usage=include_usage,
+        user=user if isinstance(user, str) and user.strip() else None,
+        model=model if isinstance(model, str) else None,
+        max_tokens_given=max_tokens is not None,
+        **prompt,
+    )
+
+
+def with_max_tokens(request: ParsedRequest, prompt_len: int, max_context: int) -> SamplingParams:
+    """The request's params with max_tokens filled in: without one, up to the context limit."""
+    if request.max_tokens_given:
+        return request.params
+    return dataclasses.replace(request.params, max_tokens=max(1, max_context - prompt_len))
+
+
+def _param_of(message: str, max_name: str) -> str | None:
+    """Which request parameter a SamplingParams error is about (its first field name)."""
+    found = [(m.start(), f) for f in _FIELDS if (m := re.search(rf"\b{f}\b", message))]
+    if not found:
+        return "stop" if "stop" in message else None
+    field = min(found)[1]
+    return max_name if field == "max_tokens" else field
+
+
+def _unsupported(name: str) -> APIError:
+    return APIError(
+        400, f"{name} is not supported by this server", param=name, code="unsupported_parameter"
+    )
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _number(body: dict, name: str, default: float | None) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise APIError(400, f"{name} must be a number, got {value!r}", param=name,
+                       code="invalid_type")
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise APIError(400, f"{name} must be an integer, got {value!r}", param=name,
+                       code="invalid_type")
+    return value
+
+
+def _boolean(body: dict, name: str, default: bool, param: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be true or false, got {value!r}",
+                       param=param or name, code="invalid_type")
+    return value
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise APIError(400, "stop must be a string or a list of strings", param="stop",
+                       code="invalid_type")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} strings", param="stop",
+                       code="invalid_value")
+    return tuple(stops)
+
+
+def _messages(value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects",
+                       param="messages", code="invalid_value")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise APIError(400, f"{where} must be an object", param=where, code="invalid_type")
+        role = message.get("role")
+        if role not in ROLES:
+            raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
+                           param=f"{where}.role", code="invalid_value")
+        content = _content(message.get("content"), f"{where}.content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    if not any(m["content"].strip() for m in out):
+        raise APIError(400, "messages hold no text", param="messages", code="invalid_value")
+    return out
+
+
+def _content(value: Any, where: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                part.get("text"), str
+            ):
+                raise APIError(400, f"{where}: only text parts are supported",
+                               param=where, code="unsupported_content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise APIError(400, f"{where} must be a string or a list of text parts", param=where,
+                   code="invalid_type")
+
+
+def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
+    """A completion prompt: text, token ids, or a one-element list of either."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
+        return value, None
+    if isinstance(value, list) and value and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        return None, list(value)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
+        raise APIError(400, "several prompts in one request are not supported: send one "
+                       "request per prompt (they are batched together anyway)",
+                       param="prompt", code="unsupported_value")
+    raise APIError(400, "prompt must be a string or a list of token ids", param="prompt",
+                   code="invalid_type")

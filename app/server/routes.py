@@ -1,0 +1,330 @@
+"""The Starlette app: OpenAI's endpoints over one running Engine, with auth and limits.
+
+Each API request becomes one engine request in a session of its own ("API", or "API · user"
+with the client's ``user`` field), so the KV monitor shows it like a chat and its prompt
+shares prefix blocks with any chat that starts the same way. The app never blocks its loop:
+submitting is non-blocking, events arrive through ``RequestHandle.stream()``, and
+tokenisation runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from app.server.errors import APIError
+from app.server.keys import bearer_matches
+from app.server.params import ParsedRequest, parse_chat, parse_completion, with_max_tokens
+from app.server.streaming import Reply, sse_events
+from engine import Engine, FinalEvent, FinishReason, RequestHandle
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_MAX_CONCURRENT = 16
+SHUTDOWN_GRACE_S = 10.0
+SESSION_PREFIX = "API"
+MAX_USER_CHARS = 40
+
+
+@dataclass
+class ServerOptions:
+    """api_key: the bearer key every /v1 request must carry (compared in constant time).
+    max_request_bytes: larger bodies get 413. max_concurrent: requests in flight beyond it
+    get 429. model_aliases: other names accepted in a request's ``model`` field."""
+
+    api_key: str
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT
+    model_aliases: tuple[str, ...] = ("default",)
+
+
+@dataclass
+class _State:
+    options: ServerOptions
+    engine: Callable[[], Engine | None]
+    in_flight: int = 0
+    handles: set[RequestHandle] = field(default_factory=set)
+
+
+def session_for(user: str | None) -> str:
+    """The engine session of an API request: one per client ``user``, else plain "API"."""
+    if not user:
+        return SESSION_PREFIX
+    return f"{SESSION_PREFIX} · {user.strip()[:MAX_USER_CHARS]}"
+
+
+def create_app(engine: Engine | Callable[[], Engine | None], options: ServerOptions) -> Starlette:
+    """The ASGI app. ``engine`` may be a callable so the app follows an engine that the
+    desktop app restarts (a model change) without restarting the server."""
+    provider = engine if callable(engine) and not isinstance(engine, Engine) else (
+        lambda: engine
+    )
+    state = _State(options, provider)
+
+    async def handle_errors(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, APIError):
+            return exc.response()
+        if isinstance(exc, HTTPException):
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+            return APIError(exc.status_code, f"{request.method} {request.url.path}: "
+                            f"{exc.detail}", code=code).response()
+        raise exc
+
+    async def models(request: Request) -> Response:
+        _authorise(state, request)
+        engine = _ready_engine(state)
+        return JSONResponse({"object": "list", "data": [{
+            "id": engine.model_info.name, "object": "model", "created": 0,
+            "owned_by": "pagedchat",
+        }]})
+
+    async def health(request: Request) -> Response:
+        engine = state.engine()
+        status = engine.status if engine is not None else "stopped"
+        body = {"status": "ok" if status == "ready" else status}
+        if engine is not None and engine.model_info is not None:
+            body["model"] = engine.model_info.name
+        return JSONResponse(body, status_code=200 if status == "ready" else 503)
+
+    async def chat(request: Request) -> Response:
+        return await _generate(state, request, chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await _generate(state, request, chat=False)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={APIError: handle_errors, HTTPException: handle_errors},
+    )
+    app.state.pagedchat = state
+    return app
+
+
+def cancel_all(app: Starlette) -> None:
+    """Cancel every request in flight (shutdown): each stream then ends with a final chunk."""
+    for handle in list(app.state.pagedchat.handles):
+        handle.cancel()
+
+
+def _authorise(state: _State, request: Request) -> None:
+    header = request.headers.get("authorization")
+    if not bearer_matches(header, state.options.api_key):
+        raise APIError(
+            401,
+            "missing API key: send 'Authorization: Bearer KEY'" if not header
+            else "the API key is not valid for this server",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def _ready_engine(state: _State) -> Engine:
+    engine = state.engine()
+    if engine is None or engine.status != "ready":
+        status = engine.status if engine is not None else "stopped"
+        why = {"loading": "the model is still loading: retry shortly"}.get(
+            status, f"the engine is not serving ({status}"
+            + (f": {engine.load_error})" if engine is not None and engine.load_error else ")")
+        )
+        raise APIError(503, why, code="engine_unavailable", headers={"Retry-After": "5"})
+    return engine
+
+
+async def _read_json(state: _State, request: Request) -> object:
+    limit = state.options.max_request_bytes
+    too_large = APIError(413, f"the request body is larger than {limit} bytes",
+                         code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}",
+                       code="invalid_json") from exc
+
+
+def _check_model(engine: Engine, state: _State, parsed: ParsedRequest) -> None:
+    if parsed.model is None:
+        return
+    known = (engine.model_info.name, *state.options.model_aliases)
+    if parsed.model not in known:
+        raise APIError(404, f"the model {parsed.model!r} does not exist on this server; it "
+                       f"serves {engine.model_info.name!r}", param="model",
+                       code="model_not_found")
+
+
+async def _prompt_tokens(engine: Engine, parsed: ParsedRequest) -> list[int]:
+    if parsed.prompt_tokens is not None:
+        return parsed.prompt_tokens
+    try:
+        if parsed.messages is not None:
+            return await asyncio.to_thread(engine.encode_chat, parsed.messages)
+        return await asyncio.to_thread(engine.encode, parsed.prompt_text)
+    except Exception as exc:
+        param = "messages" if parsed.messages is not None else "prompt"
+        raise APIError(400, f"the {param} could not be tokenised for this model: {exc}",
+                       param=param, code="invalid_value") from exc
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _or_disconnect(request: Request, awaitable) -> tuple[bool, object]:
+    """Await ``awaitable`` unless the client leaves first: (finished, result)."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if work.done():
+        return True, work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+        await work
+    return False, None
+
+
+async def _generate(state: _State, request: Request, chat: bool) -> Response:
+    _authorise(state, request)
+    body = await _read_json(state, request)
+    parsed = parse_chat(body) if chat else parse_completion(body)
+    engine = _ready_engine(state)
+    _check_model(engine, state, parsed)
+    if state.in_flight >= state.options.max_concurrent:
+        raise APIError(429, f"the server is busy: {state.in_flight} requests in flight (the "
+                       f"limit is {state.options.max_concurrent}); retry shortly",
+                       code="too_many_requests", headers={"Retry-After": "1"})
+    state.in_flight += 1
+    streaming = False
+    try:
+        response = await _submit_and_answer(state, request, engine, parsed, chat)
+        streaming = isinstance(response, EventSourceResponse)
+        return response
+    finally:
+        if not streaming:
+            state.in_flight -= 1
+
+
+async def _submit_and_answer(state: _State, request: Request, engine: Engine,
+                             parsed: ParsedRequest, chat: bool) -> Response:
+    tokens = await _prompt_tokens(engine, parsed)
+    limit = engine.model_info.max_context
+    param = "messages" if chat else "prompt"
+    if len(tokens) >= limit:
+        raise APIError(400, f"the prompt is {len(tokens)} tokens but this model's context "
+                       f"limit is {limit}: shorten it", param=param,
+                       code="context_length_exceeded")
+    params = with_max_tokens(parsed, len(tokens), limit)
+    handle = engine.submit(prompt_tokens=tokens, params=params,
+                           session_id=session_for(parsed.user))
+    state.handles.add(handle)
+    reply = Reply(chat=chat, model=engine.model_info.name, n=params.n,
+                  include_usage=parsed.include_usage)
+    events = handle.stream()
+    handed_over = False
+    try:
+        finished, first = await _or_disconnect(request, events.__anext__())
+        if not finished:
+            handle.cancel()
+            return Response(status_code=499)
+        if isinstance(first, FinalEvent) and first.finish_reason == FinishReason.ERROR \
+                and first.usage.generated_tokens == 0:
+            raise _engine_error(first, param)
+        if parsed.stream:
+            handed_over = True
+            finish = _finisher(state, handle)
+            return EventSourceResponse(
+                _stream(finish, reply, first, events),
+                background=BackgroundTask(finish),
+                ping=0,
+                sep="\n",
+                shutdown_event=_anyio_event(),
+                shutdown_grace_period=SHUTDOWN_GRACE_S,
+            )
+        finished, _ = await _or_disconnect(request, _collect(reply, first, events))
+        if not finished:
+            handle.cancel()
+            return Response(status_code=499)
+        error = reply.error()
+        if error is not None:
+            raise APIError(500, error, code="generation_failed")
+        return JSONResponse(reply.body())
+    finally:
+        if not handed_over:
+            state.handles.discard(handle)
+            await events.aclose()
+
+
+async def _collect(reply: Reply, first, events) -> None:
+    reply.event_chunks(first)
+    async for event in events:
+        reply.event_chunks(event)
+
+
+async def _stream(finish, reply: Reply, first, events):
+    """The SSE payloads; leaving early (a client gone, a shutdown) cancels the request."""
+    try:
+        async for payload in sse_events(reply, first, events):
+            yield payload
+    finally:
+        await finish()
+        await events.aclose()
+
+
+def _finisher(state: _State, handle: RequestHandle):
+    """The end of a stream, run once: by the generator, or by the response's background
+    task when the client left before the generator ever started."""
+    finished = False
+
+    async def finish() -> None:
+        nonlocal finished
+        if finished:
+            return
+        finished = True
+        if not handle.done:
+            handle.cancel()  # the engine frees its blocks before its next step
+        state.handles.discard(handle)
+        state.in_flight -= 1
+
+    return finish
+
+
+def _engine_error(final: FinalEvent, param: str) -> APIError:
+    message = final.error or "the request failed"
+    if message.startswith(("generation failed", "engine error")):
+        return APIError(500, message, code="generation_failed")
+    if "context limit" in message:
+        return APIError(400, message, param=param, code="context_length_exceeded")
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _anyio_event():
+    import anyio
+
+    return anyio.Event()

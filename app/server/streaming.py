@@ -1,0 +1,153 @@
+"""Engine events -> OpenAI response objects, whole or as SSE chunks (framed by sse-starlette).
+
+One ``Reply`` per HTTP request knows its kind (chat or text completion), id, model and the
+usage it has gathered; it turns each engine event into the chunk a client expects, in order,
+and ends every stream with the finish chunks, the optional usage chunk and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine import FinalEvent, FinishReason, TokenEvent
+
+# The engine's reasons -> OpenAI's; "cancelled" (the server is shutting down) has no OpenAI
+# equivalent and is passed through so a client can tell a cut reply from a finished one.
+FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "cancelled",
+    FinishReason.ERROR: "error",
+}
+
+
+@dataclass
+class Reply:
+    chat: bool
+    model: str
+    n: int
+    include_usage: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    finals: dict[int, FinalEvent] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    # ---- usage ------------------------------------------------------------------------------
+
+    def usage(self) -> dict:
+        finals = list(self.finals.values())
+        prompt = max((f.usage.prompt_tokens for f in finals), default=0)
+        cached = max((f.usage.cached_prompt_tokens for f in finals), default=0)
+        completion = sum(f.usage.generated_tokens for f in finals)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def error(self) -> str | None:
+        """The first sample's error, if any sample failed."""
+        for index in sorted(self.finals):
+            if self.finals[index].finish_reason == FinishReason.ERROR:
+                return self.finals[index].error or "generation failed"
+        return None
+
+    # ---- whole responses --------------------------------------------------------------------
+
+    def body(self) -> dict:
+        choices = []
+        for index in sorted(self.finals):
+            final = self.finals[index]
+            choice: dict = {
+                "index": index,
+                "finish_reason": FINISH_REASONS[final.finish_reason],
+                "logprobs": None,
+            }
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": final.text}
+            else:
+                choice["text"] = final.text
+            choices.append(choice)
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+            "system_fingerprint": None,
+        }
+
+    # ---- chunks -----------------------------------------------------------------------------
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        chunk: dict = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
+        if self.include_usage:
+            chunk["usage"] = usage
+        return json.dumps(chunk, ensure_ascii=False)
+
+    def _choice(self, index: int, text: str | None, finish: str | None,
+                role: bool = False) -> dict:
+        if self.chat:
+            delta: dict = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+    def opening_chunks(self) -> list[str]:
+        """Chat streams start with the assistant role for each choice, as OpenAI's do."""
+        if not self.chat:
+            return []
+        return [self._chunk([self._choice(i, "", None, role=True)]) for i in range(self.n)]
+
+    def event_chunks(self, event: TokenEvent | FinalEvent) -> list[str]:
+        if isinstance(event, TokenEvent):
+            return [self._chunk([self._choice(event.index, event.text, None)])] if event.text \
+                else []
+        self.finals[event.index] = event
+        if event.finish_reason == FinishReason.ERROR:
+            return [json.dumps({"error": {
+                "message": event.error or "generation failed", "type": "server_error",
+                "param": None, "code": "generation_failed",
+            }})]
+        return [self._chunk([self._choice(event.index, None if self.chat else "",
+                                          FINISH_REASONS[event.finish_reason])])]
+
+    def closing_chunks(self) -> list[str]:
+        tail = [self._chunk([], usage=self.usage())] if self.include_usage else []
+        return [*tail, "[DONE]"]
+
+
+async def sse_events(
+    reply: Reply, first: TokenEvent | FinalEvent, events: AsyncIterator
+) -> AsyncIterator[dict]:
+    """The SSE ``data`` payloads of one stream; ``events`` goes on after ``first``."""
+    for chunk in reply.opening_chunks():
+        yield {"data": chunk}
+    for chunk in reply.event_chunks(first):
+        yield {"data": chunk}
+    async for event in events:
+        for chunk in reply.event_chunks(event):
+            yield {"data": chunk}
+    for chunk in reply.closing_chunks():
+        yield {"data": chunk}

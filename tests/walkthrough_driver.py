@@ -1,0 +1,340 @@
+"""Drives the real PagedChat app (app.main.main, on a real X display) through a user's first
+session, saving a screenshot of the screen after every step. Run by tests/test_walkthrough.py.
+
+    python -m tests.walkthrough_driver first|relaunch SHOTS_DIR DATA_DIR
+
+The driver makes the QApplication, queues itself, then calls the app's own `main()`, which
+reuses that QApplication, opens the window and starts the engine exactly as a user's launch
+does. Keys and clicks go through QTest (real events into the real widgets). A failed step
+prints `STEP FAILED: ...` and exits 1; each finished step prints `STEP OK: name`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtTest import QTest
+from PySide6.QtWidgets import QAbstractButton, QApplication, QMessageBox
+
+STEP_TIMEOUT_S = 420.0
+LONG_PROMPT = "Write a long story about a dragon who learns to read, with many chapters."
+CTRL = Qt.KeyboardModifier.ControlModifier
+
+
+class StepFailed(Exception):
+    pass
+
+
+class Driver:
+    def __init__(self, phase: str, shots: Path) -> None:
+        self.phase = phase
+        self.shots = shots
+        self.n = 0 if phase == "first" else 50
+        self.window: Any = None
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    async def until(self, what: str, cond: Any, timeout: float = STEP_TIMEOUT_S) -> None:
+        """Wait (the event loop keeps running) until cond() is true."""
+        end = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > end:
+                raise StepFailed(f"timed out waiting for {what}")
+            await asyncio.sleep(0.05)
+
+    async def settle(self) -> None:
+        await asyncio.sleep(0.3)  # the event loop runs meanwhile (repaints, layouts)
+
+    async def act(self, fn: Any) -> Any:
+        """Run a user action from the event loop itself, not inside this task: clicks and
+        modal dialogs spin nested event loops, which must not re-enter a running task."""
+        future = asyncio.get_event_loop().create_future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # reported by the awaiting step
+                future.set_exception(exc)
+
+        QTimer.singleShot(0, run)
+        result = await future
+        await asyncio.sleep(0.05)
+        return result
+
+    async def shot(self, name: str) -> None:
+        await self.settle()
+        self.n += 1
+        path = self.shots / f"{self.n:02d}-{name}.png"
+        screen = QApplication.primaryScreen()
+        geo = self.window.frameGeometry()
+        pixmap = screen.grabWindow(0, geo.x(), geo.y(), geo.width(), geo.height())
+        if pixmap.isNull() or not pixmap.save(str(path)):
+            raise StepFailed(f"could not save the screenshot {path}")
+        print(f"STEP OK: {name} -> {path}", flush=True)
+
+    async def type_into(self, widget: Any, text: str) -> None:
+        def go() -> None:
+            widget.setFocus()
+            QTest.keyClicks(widget, text)
+
+        await self.act(go)
+
+    async def key(
+        self, widget: Any, key: Qt.Key, mods: Any = Qt.KeyboardModifier.NoModifier
+    ) -> None:
+        await self.act(lambda: QTest.keyClick(widget, key, mods))
+
+    async def click(self, widget: Any, pos: Any = None) -> None:
+        if pos is None:
+            await self.act(lambda: QTest.mouseClick(widget, Qt.MouseButton.LeftButton))
+        else:
+            await self.act(lambda: QTest.mouseClick(widget, Qt.MouseButton.LeftButton, pos=pos))
+
+    def click_in_next_dialog(self, button_text: str) -> list[str]:
+        seen: list[str] = []
+
+        def check() -> None:
+            box = QApplication.activeModalWidget()
+            if isinstance(box, QMessageBox) and box.isVisible():
+                seen.append(box.text())
+                for b in box.findChildren(QAbstractButton):
+                    if b.text().replace("&", "") == button_text:
+                        QTest.mouseClick(b, Qt.MouseButton.LeftButton)
+                        return
+                seen.append(f"no {button_text} button")
+                box.reject()
+                return
+            QTimer.singleShot(50, check)
+
+        QTimer.singleShot(0, check)
+        return seen
+
+    def quit_soon(self) -> None:
+        """Ctrl+Q, the way a user quits, once this step has reported its success."""
+        w = self.window
+        QTimer.singleShot(100, lambda: QTest.keyClick(w, Qt.Key.Key_Q, CTRL))
+
+    def pane(self, i: int) -> Any:
+        return self.window.panes[i]
+
+    def reply(self, pane: Any) -> Any:
+        return pane.session.active_path()[-1]
+
+    async def send(self, pane: Any, text: str, settings_tokens: int | None = None) -> None:
+        await self.type_into(pane.input, text)
+        await self.key(pane.input, Qt.Key.Key_Return)
+        await self.until(
+            "the reply to start", lambda: pane.session.busy or self.reply(pane).content
+        )
+
+    async def idle(self, *panes: Any) -> None:
+        await self.until("the replies to finish", lambda: not any(p.session.busy for p in panes))
+
+    # ---- the walk-through --------------------------------------------------------------------
+
+    async def run(self) -> int:
+        try:
+            await self.until("the main window", self._find_window, 60)
+            if self.phase == "first":
+                await self.first_session()
+            else:
+                await self.relaunched()
+            return 0
+        except StepFailed as exc:
+            print(f"STEP FAILED: {exc}", flush=True)
+            return 1
+        except Exception:
+            print("STEP FAILED: an exception in the driver", flush=True)
+            traceback.print_exc()
+            return 1
+
+    def _find_window(self) -> bool:
+        from app.main_window import MainWindow
+
+        for w in QApplication.topLevelWidgets():
+            if isinstance(w, MainWindow) and w.isVisible():
+                self.window = w
+                return True
+        return False
+
+    async def first_session(self) -> None:
+        w = self.window
+        await self.shot("launched-loading")
+        await self.until("the model", lambda: w.bridge.status == "ready")
+        await self.shot("model-ready")
+
+        await self.key(w, Qt.Key.Key_N, CTRL)
+        p1 = w.focused_pane
+        if p1.session.tree.by_id:
+            raise StepFailed("Ctrl+N did not give an empty chat")
+        await self.shot("new-chat")
+
+        await self.send(p1, "Say hello in five words.")
+        await self.idle(p1)
+        if not self.reply(p1).content:
+            raise StepFailed("no reply text")
+        await self.shot("sent-and-answered")
+
+        split = w.toolbar.widgetForAction(w.act_new_pane)
+        for _ in range(3):
+            await self.click(split)  # the toolbar's Split button
+        if len(w.panes) != 4:
+            raise StepFailed(f"{len(w.panes)} panes, not 4")
+        screen = w.screen().availableGeometry()
+        if w.frameGeometry().width() > screen.width():
+            raise StepFailed("four panes made the window wider than the screen")
+        await self.shot("four-panes")
+
+        width = w.width()
+        send_all = w.toolbar.widgetForAction(w.act_send_all)
+        await self.click(send_all)
+        if not w.compare_bar.isVisible():
+            raise StepFailed("the Send to All button did not open its bar")
+        await self.type_into(w.compare_bar.input, "Name one colour and one fruit.")
+        await self.key(w.compare_bar.input, Qt.Key.Key_Return)
+        await self.until("all four to answer", lambda: all(p.session.busy for p in w.panes), 30)
+        await self.shot("send-to-all-streaming")
+        await self.idle(*w.panes)
+        if w.width() != width:
+            raise StepFailed(f"streaming changed the window width {width} -> {w.width()}")
+        await self.shot("send-to-all-done")
+        await self.click(send_all)  # the bar closes again
+
+        await self.click(p1.input)
+        await self.send(p1, LONG_PROMPT)
+        await self.until("streamed text", lambda: len(self.reply(p1).content) > 20)
+        await self.key(p1.input, Qt.Key.Key_Escape)  # Esc stops
+        await self.idle(p1)
+        if self.reply(p1).status != "stopped":
+            raise StepFailed(f"after Esc the reply is {self.reply(p1).status}")
+        await self.shot("stopped")
+
+        await self.key(w, Qt.Key.Key_R, CTRL)  # regenerate
+        await self.until("regenerating", lambda: p1.session.busy, 30)
+        await self.until("streamed text", lambda: len(self.reply(p1).content) > 20)
+        await self.click(p1.send_button)  # the stop button
+        await self.idle(p1)
+        _pos, count = p1.session.tree.sibling_position(self.reply(p1).id)
+        if count != 2:
+            raise StepFailed(f"regenerate left {count} alternatives, not 2")
+        await self.shot("regenerated")
+
+        view = p1.view
+        rows = view.model().rowCount()
+        user_row = rows - 2
+        await self.act(view.scrollToBottom)
+        await self.settle()
+        geo = view.row_geometry(user_row)
+        edit = geo.actions.get("edit")
+        if edit is None:
+            raise StepFailed("no edit action on the user message")
+        await self.act(lambda: QTest.mouseMove(view.viewport(), edit.center()))
+        await self.settle()
+        await self.click(view.viewport(), edit.center())
+        await self.settle()
+        if not p1.edit_banner.isVisible():
+            raise StepFailed("clicking edit did not start editing")
+        await self.act(p1.input.selectAll)
+        await self.type_into(p1.input, "Write two sentences about a dragon.")
+        await self.key(p1.input, Qt.Key.Key_Return)
+        await self.until("the edited reply", lambda: p1.session.busy, 30)
+        await self.idle(p1)
+        user = p1.session.active_path()[-2]
+        if user.content != "Write two sentences about a dragon.":
+            raise StepFailed(f"the edited message reads {user.content!r}")
+        await self.shot("edited")
+
+        before = {p.session.id for p in w.panes}
+        await self.act(w.act_branch.trigger)  # Chat ▸ Branch From Last Message
+        await self.settle()
+        branch = w.focused_pane.session
+        if branch.id in before or not branch.title.startswith("Branch of"):
+            raise StepFailed(f"no branch opened (focused: {branch.title})")
+        await self.shot("branched")
+
+        doomed = self.pane(1)
+        await self.click(doomed.input)
+        await self.send(doomed, LONG_PROMPT)
+        await self.until("streamed text", lambda: len(self.reply(doomed).content) > 20)
+        await self.shot("streaming-before-delete")
+        sid = doomed.session.id
+        seen = self.click_in_next_dialog("Delete")
+        await self.act(w.act_delete.trigger)
+        if not seen or "no Delete button" in seen:
+            raise StepFailed(f"the delete dialog did not work: {seen}")
+        await self.until("the request to end", lambda: not w.bridge.active_requests(sid), 60)
+        if w.store.get_conversation(sid) is not None or w.pane_for(sid) is not None:
+            raise StepFailed("the deleted chat is still there")
+        await self.shot("deleted-streaming-chat")
+
+        await self.act(lambda: w.resize(800, 600))
+        await self.until("800x600", lambda: w.width() == 800, 20)
+        await self.settle()
+        if any(p.width() < 100 for p in w.panes):
+            raise StepFailed(f"panes too narrow at 800 px: {[p.width() for p in w.panes]}")
+        await self.shot("small-800x600")
+        await self.act(lambda: w.resize(1500, 900))
+        await self.until("1500x900", lambda: w.width() == 1500, 20)
+        await self.shot("back-to-1500x900")
+
+        await self.act(w.theme_actions["dark"].trigger)
+        await self.shot("dark-theme")
+        await self.act(w.theme_actions["light"].trigger)
+        await self.shot("light-theme")
+
+        state = {
+            "panes": [p.session.id for p in w.panes],
+            "chats": sorted(c.id for c in w.store.list_conversations()),
+        }
+        (self.shots / "state.json").write_text(json.dumps(state))
+        self.quit_soon()
+
+    async def relaunched(self) -> None:
+        w = self.window
+        state = json.loads((self.shots / "state.json").read_text())
+        await self.until("the model", lambda: w.bridge.status == "ready")
+        panes = [p.session.id for p in w.panes]
+        if panes != state["panes"]:
+            raise StepFailed(f"relaunch restored panes {panes}, not {state['panes']}")
+        chats = sorted(c.id for c in w.store.list_conversations())
+        if chats != state["chats"]:
+            raise StepFailed("relaunch lost or added chats")
+        await self.shot("relaunched")
+        p = self.pane(0)
+        await self.send(p, "Thank you!")
+        await self.idle(p)
+        await self.shot("relaunched-and-answered")
+        self.quit_soon()
+
+
+def main() -> int:
+    phase, shots, data = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    shots.mkdir(parents=True, exist_ok=True)
+    QApplication.instance() or QApplication(sys.argv[:1])
+    driver = Driver(phase, shots)
+    result: dict[str, int] = {}
+
+    def start() -> None:
+        async def go() -> None:
+            result["code"] = await driver.run()
+            if result["code"]:
+                QApplication.exit(result["code"])
+
+        asyncio.ensure_future(go())
+
+    QTimer.singleShot(0, start)
+    from app.main import main as app_main
+
+    code = app_main(["--data-dir", data, "--kv-memory-mib", "128", "--theme", "light"])
+    return result.get("code", 1) or code  # 1 also when the driver never finished
+
+
+if __name__ == "__main__":
+    sys.exit(main())
