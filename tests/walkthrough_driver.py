@@ -216,7 +216,7 @@ class Driver:
             raise StepFailed(f"after Esc the reply is {self.reply(p1).status}")
         await self.shot("stopped")
 
-        await self.key(w, Qt.Key.Key_R, CTRL)  # regenerate
+        await self.act(w.act_regen.trigger)  # Chat ▸ Regenerate
         await self.until("regenerating", lambda: p1.session.busy, 30)
         await self.until("streamed text", lambda: len(self.reply(p1).content) > 20)
         await self.click(p1.send_button)  # the stop button
