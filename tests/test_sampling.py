@@ -1,0 +1,116 @@
+"""The engine's sampler against an independent numpy oracle (tests/reference.py), statistically.
+
+For each setting, DRAWS tokens are drawn with ``engine.sampling.sample_next`` under a fixed set
+of PRNG keys (deterministic: the same counts on every run) and their frequencies are compared
+with softmax(logits / T) restricted to the kept set: a token outside the set must never be
+drawn, and Pearson's chi-square over the set must stay under its 1e-6 quantile. Each filter
+and the repetition penalty is checked on its own, then all together, so a sampler that ignored
+the temperature, a filter or the penalty fails here even if it reproduces its own draws.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.config import SamplingParams
+from engine.sampling import new_key, sample_next
+from tests.reference import REPETITION_WINDOW, oracle_distribution
+
+DRAWS = 2000
+# Separated logits (no two kept/dropped decisions sit on a boundary), positive and negative.
+LOGITS = np.array([3.0, 2.5, 2.0, 1.2, 1.0, 0.3, -0.5, -1.0, -2.0, -3.0], dtype=np.float32)
+
+
+def chi2_quantile(df: int, z: float = 4.753) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile at standard-normal z
+    (4.753: upper tail 1e-6)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def draw_counts(params: SamplingParams, history: list[int], draws: int = DRAWS) -> np.ndarray:
+    logits = mx.array(LOGITS)
+    keys = mx.random.split(mx.random.key(20240611), draws)
+    tokens = [sample_next(logits, params, history, keys[i])[0] for i in range(draws)]
+    mx.eval(tokens)
+    return np.bincount([t.item() for t in tokens], minlength=len(LOGITS))
+
+
+def assert_follows(params: SamplingParams, history: list[int] = ()) -> np.ndarray:
+    history = list(history)
+    expected = oracle_distribution(LOGITS, params, history)
+    counts = draw_counts(params, history)
+    kept = expected > 0
+    outside = counts[~kept].sum()
+    assert outside == 0, f"{outside} draws of tokens outside the kept set {np.flatnonzero(kept)}"
+    e = expected[kept] * counts.sum()
+    chi2 = float(((counts[kept] - e) ** 2 / e).sum())
+    df = int(kept.sum()) - 1
+    if df > 0:
+        assert chi2 < chi2_quantile(df), (
+            f"chi-square {chi2:.1f} (df {df}): counts {counts[kept].tolist()}, "
+            f"expected {np.round(e).astype(int).tolist()}"
+        )
+    return expected
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_scales_the_softmax(temperature):
+    expected = assert_follows(SamplingParams(temperature=temperature))
+    assert (expected > 0).all()
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p_and_tempers_inside_it():
+    expected = assert_follows(SamplingParams(temperature=0.7, top_p=0.85))
+    # p = softmax(LOGITS): the three most likely hold 0.823 < 0.85, the fourth brings 0.892
+    assert np.flatnonzero(expected > 0).tolist() == [0, 1, 2, 3]
+
+
+def test_top_k_keeps_the_k_most_likely():
+    expected = assert_follows(SamplingParams(temperature=1.5, top_k=3))
+    assert np.flatnonzero(expected > 0).tolist() == [0, 1, 2]
+
+
+def test_min_p_keeps_tokens_above_a_fraction_of_the_top():
+    expected = assert_follows(SamplingParams(temperature=1.0, min_p=0.2))
+    # p_i / p_max = exp(l_i - 3): 0.61, 0.37, 0.17 ... only the first three reach 0.2
+    assert np.flatnonzero(expected > 0).tolist() == [0, 1, 2]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    history = [0, 3, 7, 0]  # two positive logits and one negative, one token twice
+    params = SamplingParams(temperature=1.0, repetition_penalty=1.8)
+    expected = assert_follows(params, history)
+    plain = oracle_distribution(LOGITS, SamplingParams(temperature=1.0))
+    assert expected[0] < plain[0] and expected[3] < plain[3] and expected[7] < plain[7]
+
+
+def test_repetition_penalty_window():
+    """Only the last REPETITION_WINDOW tokens count: a token seen before them is not
+    penalised (mlx-lm's repetition_context_size)."""
+    history = [1] + [9] * REPETITION_WINDOW
+    assert_follows(SamplingParams(temperature=1.0, repetition_penalty=3.0), history)
+
+
+def test_filters_and_penalty_together():
+    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=5, min_p=0.05,
+                            repetition_penalty=1.3)
+    expected = assert_follows(params, [1, 6])
+    assert 2 <= (expected > 0).sum() <= 5
+
+
+def test_greedy_is_the_argmax_after_the_penalty():
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    counts = draw_counts(params, [0], draws=50)
+    # 3.0 / 2 = 1.5 < 2.5: the penalty moves the argmax from token 0 to token 1
+    assert counts[1] == 50
+
+
+def test_seeded_keys_give_each_sample_its_own_stream():
+    a0, a1 = new_key(5, 0), new_key(5, 1)
+    assert not np.array_equal(np.array(a0), np.array(a1))
+    assert np.array_equal(np.array(new_key(5, 1)), np.array(a1))
+    assert new_key(None, 0).shape == a0.shape
