@@ -103,15 +103,17 @@ def test_every_control_has_an_accessible_name(window):
 
 
 def test_theme_switches_light_and_dark(window, qtbot):
-    with qtbot.waitSignal(theme_manager().changed):
-        window.set_theme("dark")
-    assert theme_manager().dark
-    assert window.palette().color(window.backgroundRole()).lightness() < 80
-    with qtbot.waitSignal(theme_manager().changed):
-        window.set_theme("light")
-    assert not theme_manager().dark
-    assert window.palette().color(window.backgroundRole()).lightness() > 200
-    assert window.theme_actions["light"].isChecked() or window.settings.theme == "light"
+    from app.app_settings import AppSettings
+
+    for theme, dark in (("dark", True), ("light", False)):
+        with qtbot.waitSignal(theme_manager().changed):
+            window.theme_actions[theme].trigger()  # View > Theme > Dark / Light
+        assert theme_manager().dark is dark
+        lightness = window.palette().color(window.backgroundRole()).lightness()
+        assert lightness < 80 if dark else lightness > 200
+        checked = [v for v, a in window.theme_actions.items() if a.isChecked()]
+        assert checked == [theme]
+        assert window.settings.theme == theme and AppSettings.load(window.store).theme == theme
 
 
 def test_monitor_dock_placeholder(window):

@@ -276,8 +276,10 @@ def test_a_small_pool_shows_preemption_in_the_legend(qtbot, qasync_loop):
         qtbot.waitUntil(lambda: panel.block_map.snapshot is small.snapshot(), timeout=WAIT_MS)
         assert int(panel.counters.value("preemptions")) > 0
         assert panel.block_map.snapshot.used_blocks == 0
-        assert set(CATEGORY_NAMES) >= {m.category for m in map(
-            panel.block_map.cell_state, range(16))}
+        snap = panel.block_map.snapshot
+        drawn = [panel.block_map.cell_state(b).category for b in range(16)]
+        assert drawn == [expected_category(snap, b) for b in range(16)]
+        assert set(drawn) <= set(CATEGORY_NAMES) and "cached" in drawn  # finished prefixes
         legend = panel.legend_model
         assert {legend.index(r, SHARED).data() for r in range(legend.rowCount())} <= {"–"}
         bridge.shutdown()
