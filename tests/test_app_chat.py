@@ -9,13 +9,13 @@ from __future__ import annotations
 import time
 
 import pytest
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QContextMenuEvent, QGuiApplication
-from PySide6.QtWidgets import QApplication
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QGuiApplication
 
 from app.records import Message, Status
 from tests.app_helpers import WAIT_MS, greedy, last_reply, open_window, wait_idle
 from tests.reference import chat_prompt, greedy_reference, reference_model
+from tests.user_path import alt_key, choose_from_context_menu, click_action, type_and_send
 
 pytestmark = pytest.mark.model
 
@@ -33,52 +33,6 @@ def _pane_with(h, settings):
     pane = h.window.focused_pane
     pane.session.set_settings(settings)
     return pane
-
-
-def type_and_send(qtbot, pane, text: str) -> None:
-    """What a user does: type into the pane's input and press Return."""
-    pane.input.setFocus()
-    qtbot.keyClicks(pane.input, text)
-    qtbot.keyClick(pane.input, Qt.Key.Key_Return)
-
-
-def click_action(qtbot, pane, message_id: str, name: str) -> None:
-    """Click one of a message row's buttons (copy, edit, regenerate, branch, prev, next)."""
-    row = pane.model.row_of(message_id)
-    assert row >= 0, f"{message_id} is not shown"
-    rect = pane.view.row_geometry(row).actions[name]
-    qtbot.mouseClick(pane.view.viewport(), Qt.MouseButton.LeftButton, pos=rect.center())
-
-
-def choose_from_context_menu(pane, message_id: str, *path: str) -> None:
-    """Right-click a message and choose ``path`` (menu, submenu, ..., item) in the real menu."""
-    row = pane.model.row_of(message_id)
-    pos = pane.view.row_geometry(row).body.center()
-    chosen: list[bool] = []
-
-    def pick() -> None:
-        menu = QApplication.activePopupWidget()
-        top = menu
-        for label in path:
-            action = next(a for a in menu.actions() if a.text().replace("&", "") == label)
-            chosen.append(action.isEnabled())
-            if action.menu() is not None:
-                menu = action.menu()
-        top.close()
-        action.trigger()
-
-    QTimer.singleShot(0, pick)
-    viewport = pane.view.viewport()
-    QApplication.sendEvent(viewport, QContextMenuEvent(
-        QContextMenuEvent.Reason.Mouse, pos, viewport.mapToGlobal(pos)))
-    assert chosen == [True] * len(path), f"menu path {path} not available: {chosen}"
-
-
-def alt_key(qtbot, pane, message_id: str, key: Qt.Key) -> None:
-    """Alt+Left / Alt+Right on a message row (the keyboard's alternative switcher)."""
-    pane.view.setCurrentIndex(pane.model.index(pane.model.row_of(message_id)))
-    pane.view.setFocus()
-    qtbot.keyClick(pane.view, key, Qt.KeyboardModifier.AltModifier)
 
 
 def greedy_text(messages: list[dict], max_tokens: int) -> str:

@@ -161,58 +161,12 @@ def test_pyside_refcount_leaks_cannot_exhaust_singletons(qapp):
     assert set(leaked_references()) == {"None", "True", "False"}
 
 
-class ManualClock:
-    """A controlled clock for QTimer-driven code: single-shot timers fire when the test
-    advances time past their due time (no wall clock involved)."""
-
-    def __init__(self) -> None:
-        self.now = 0
-        self.timers: list[ManualTimer] = []
-
-    def advance(self, ms: int) -> None:
-        for _ in range(ms):
-            self.now += 1
-            for timer in list(self.timers):
-                if timer.due is not None and timer.due <= self.now:
-                    timer.due = None
-                    for slot in list(timer.slots):
-                        slot()
-
-
-class ManualTimer:
-    """The part of QTimer's interface RenderThrottle uses, on a ManualClock."""
-
-    clock: ManualClock
-
-    def __init__(self, _parent=None) -> None:
-        self.slots: list = []
-        self.due: int | None = None
-        self.interval = 0
-        self.timeout = self  # timeout.connect(slot)
-        self.clock.timers.append(self)
-
-    def connect(self, slot) -> None:
-        self.slots.append(slot)
-
-    def setSingleShot(self, single: bool) -> None:
-        assert single
-
-    def setInterval(self, ms: int) -> None:
-        self.interval = ms
-
-    def isActive(self) -> bool:
-        return self.due is not None
-
-    def start(self) -> None:
-        self.due = self.clock.now + self.interval
-
-
 def test_throttle_renders_about_30_times_a_second_on_a_controlled_clock(qapp, monkeypatch):
     import app.chat.throttle as throttle_module
+    from tests.manual_clock import ManualClock
 
     clock = ManualClock()
-    ManualTimer.clock = clock
-    monkeypatch.setattr(throttle_module, "QTimer", ManualTimer)
+    monkeypatch.setattr(throttle_module, "QTimer", clock.timer_class())
     throttle = throttle_module.RenderThrottle(hz=30)
     flushes: list[tuple[int, int]] = []  # (time, client)
 

@@ -10,6 +10,14 @@ from app.engine_bridge import EngineBridge
 from app.main_window import MAX_PANES, MainWindow
 from app.store import Store
 from app.theme import theme_manager
+from tests.user_path import (
+    answer_message_box,
+    delete_from_sidebar,
+    rename_by_keys,
+    search_by_typing,
+    shortcut,
+    type_and_send,
+)
 
 
 @pytest.fixture
@@ -55,27 +63,40 @@ def test_unused_new_chats_do_not_pile_up(window):
 
 def test_sidebar_rename_search_and_delete(window, qtbot):
     sidebar = window.sidebar
-    a = window.focused_pane.session
-    a.send("hello there")  # no engine: the message is kept, the reply shows an error
+    first = window.focused_pane
+    type_and_send(qtbot, first, "hello there")  # no engine: the message is kept, reply errs
+    a = first.session
     assert a.active_path()[0].content == "hello there"
-    b = window.new_chat(new_pane=True).session
-    b.rename("Shopping list")
-    sidebar.reload()
-    assert set(sidebar.visible_ids()) == {a.id, b.id}
-    row = sidebar.model.row_of(b.id)
-    assert sidebar.model.setData(sidebar.model.index(row), "Groceries", Qt.ItemDataRole.EditRole)
+    shortcut(qtbot, window, window.act_new_pane)
+    b = window.focused_pane.session
+    assert b is not a
+    type_and_send(qtbot, window.focused_pane, "milk and eggs")
+    rename_by_keys(qtbot, window, "Groceries")  # F2, type, Return
     assert window.store.get_conversation(b.id).title == "Groceries" and b.title == "Groceries"
-    sidebar.set_search("groc")
+    assert set(sidebar.visible_ids()) == {a.id, b.id}
+    search_by_typing(qtbot, window, "groc")
     assert sidebar.visible_ids() == [b.id]
-    sidebar.set_search("THERE")  # message text, case-insensitive
+    search_by_typing(qtbot, window, "THERE")  # message text, case-insensitive
     assert sidebar.visible_ids() == [a.id]
-    sidebar.set_search("nothing like this")
+    search_by_typing(qtbot, window, "nothing like this")
     assert sidebar.visible_ids() == [] and sidebar.empty.isVisible()
-    sidebar.set_search("")
-    assert window.delete_chat(b.id, confirm=False)
+    search_by_typing(qtbot, window, "")
+    assert set(sidebar.visible_ids()) == {a.id, b.id} and not sidebar.empty.isVisible()
+    # Delete in the sidebar asks first: Cancel keeps the chat, Delete removes it
+    question = delete_from_sidebar(qtbot, window, b.id, "Cancel")
+    assert "Groceries" in question
+    assert window.store.get_conversation(b.id) is not None and window.pane_for(b.id)
+    delete_from_sidebar(qtbot, window, b.id, "Delete")
     assert window.store.get_conversation(b.id) is None and window.pane_for(b.id) is None
-    assert window.delete_chat(a.id, confirm=False)  # the last pane gets another chat
+    assert window.store.load_messages(b.id) == []
+    # Edit > Delete Chat on the last pane's chat: the pane gets another chat
+    window.focus_pane(0)
+    answer_message_box(qtbot, window.act_delete.trigger, "Delete")
+    assert window.store.get_conversation(a.id) is None
     assert len(window.panes) == 1 and window.panes[0].session.id != a.id
+    # the unit-level call (no dialog) stays for code that deletes on the user's behalf
+    c = window.panes[0].session.id
+    assert window.delete_chat(c, confirm=False) and window.store.get_conversation(c) is None
 
 
 def test_without_a_model_sending_keeps_the_message_and_says_why(window):
@@ -87,9 +108,10 @@ def test_without_a_model_sending_keeps_the_message_and_says_why(window):
     assert reply.status == "error" and "No model is loaded" in pane.notice_label.text()
 
 
-def test_every_control_has_an_accessible_name(window):
+def test_every_control_has_an_accessible_name(window, qtbot):
     window.new_chat(new_pane=True)
-    window.toggle_compare(True)
+    shortcut(qtbot, window, window.act_send_all)  # the compare bar
+    assert window.compare_bar.isVisible()
     missing = []
     for w in window.findChildren(QWidget):
         if not w.isVisibleTo(window) or w.focusPolicy() == Qt.FocusPolicy.NoFocus:
