@@ -141,3 +141,54 @@ def test_theme_switches_light_and_dark(window, qtbot):
 def test_monitor_dock_placeholder(window):
     dock = window.findChild(QWidget, "kvMonitorDock")
     assert dock is window.monitor_dock and dock.widget() is not None
+
+
+def test_the_per_chat_settings_dialog_changes_only_that_chat(window, qtbot):
+    from PySide6.QtWidgets import QDialogButtonBox
+
+    from app.chat.chat_settings_dialog import ChatSettingsDialog
+    from tests.user_path import answer_modal, click_button
+
+    pane = window.focused_pane
+    other = window.new_chat(new_pane=True)
+    other_before = other.session.settings.to_dict()
+    window.focus_pane(0)
+    seen = []
+
+    def change(dialog) -> None:
+        try:
+            seen.append(dialog.windowTitle())
+            qtbot.keyClicks(dialog.system_prompt, "Answer like a pirate.")
+            dialog.sampling.temperature.setValue(0.25)
+            dialog.sampling.top_k.setValue(40)
+            dialog.sampling.seed.setValue(11)
+            click_button(qtbot, dialog, QDialogButtonBox.StandardButton.Ok)
+        finally:
+            if dialog.isVisible():
+                dialog.reject()
+
+    # the pane header's settings button opens it
+    answer_modal(qtbot, lambda: qtbot.mouseClick(pane.settings_button, Qt.MouseButton.LeftButton),
+                 change, ChatSettingsDialog)
+    assert seen and pane.session.title in seen[0]
+    s = pane.session.settings
+    assert (s.system_prompt, s.sampling.temperature, s.sampling.top_k, s.sampling.seed) == (
+        "Answer like a pirate.", 0.25, 40, 11)
+    stored = window.store.get_conversation(pane.session.id).settings
+    assert stored.to_dict() == s.to_dict()  # saved with the chat
+    assert pane.subtitle_label.isVisibleTo(pane) and "pirate" in pane.subtitle_label.text()
+    assert other.session.settings.to_dict() == other_before  # the other chat is untouched
+
+    def cancel_changes(dialog) -> None:
+        try:
+            assert dialog.system_prompt.toPlainText() == "Answer like a pirate."  # shows current
+            dialog.sampling.temperature.setValue(1.5)
+            click_button(qtbot, dialog, QDialogButtonBox.StandardButton.Cancel)
+        finally:
+            if dialog.isVisible():
+                dialog.reject()
+
+    # Chat > Chat Settings (its shortcut) opens it too; Cancel changes nothing
+    answer_modal(qtbot, lambda: shortcut(qtbot, window, window.act_chat_settings),
+                 cancel_changes, ChatSettingsDialog)
+    assert pane.session.settings.sampling.temperature == 0.25
