@@ -296,3 +296,57 @@ def test_send_to_all_reaches_every_pane(harness, qtbot):
     # Ctrl+1..3 focus the panes
     qtbot.keyClick(w, Qt.Key.Key_2, Qt.KeyboardModifier.ControlModifier)
     assert w.focused_pane is panes[1]
+
+
+def test_sending_while_the_chat_answers_shows_a_notice_and_keeps_the_text(harness, qtbot):
+    pane = _pane_with(harness, greedy(300))
+    type_and_send(qtbot, pane, LONG_PROMPT)
+    assert pane.session.busy
+    before = len(pane.session.tree)
+    type_and_send(qtbot, pane, "And another thing")
+    assert pane.notice_label.isVisible() and "still answering" in pane.notice_label.text()
+    assert pane.input.toPlainText() == "And another thing"  # nothing typed is lost
+    assert len(pane.session.tree) == before and pane.session.busy
+    qtbot.keyClick(pane.input, Qt.Key.Key_Escape)  # Esc stops the reply
+    wait_idle(qtbot, pane)
+    assert last_reply(pane).status == Status.STOPPED
+    qtbot.keyClick(pane.input, Qt.Key.Key_Return)  # now the kept text goes out
+    assert pane.session.active_path()[-2].content == "And another thing"
+    wait_idle(qtbot, pane)
+
+
+def test_deleting_a_streaming_chat_cancels_it_frees_its_blocks_and_removes_its_rows(
+    harness, qtbot, app_engine
+):
+    from tests.user_path import delete_from_sidebar
+
+    w = harness.window
+    a = _pane_with(harness, greedy(400))
+    b = w.new_chat(new_pane=True)
+    b.session.set_settings(greedy(60))
+    doomed, kept = a.session.id, b.session.id
+    type_and_send(qtbot, a, LONG_PROMPT)
+    qtbot.keyClick(w, Qt.Key.Key_2, Qt.KeyboardModifier.ControlModifier)
+    type_and_send(qtbot, b, "Write a long poem about the sea.")
+
+    def streaming(sid: str) -> bool:
+        snap = app_engine.snapshot()
+        return bool(snap and sid in snap.sessions and snap.sessions[sid].blocks_held)
+
+    qtbot.waitUntil(lambda: streaming(doomed) and streaming(kept), timeout=WAIT_MS)
+    assert harness.bridge.active_requests(doomed)
+    delete_from_sidebar(qtbot, w, doomed, "Delete")
+    assert harness.store.get_conversation(doomed) is None
+    assert harness.store.load_messages(doomed) == [] and w.pane_for(doomed) is None
+    assert [p.session.id for p in w.panes] == [kept]
+    # its request ends (the engine's final event reaches the bridge) while the other streams
+    qtbot.waitUntil(lambda: not harness.bridge.active_requests(doomed), timeout=WAIT_MS)
+    assert harness.bridge.active_requests(kept)
+    # the engine drops the chat before its next step (the other chat keeps it stepping)
+    steps = app_engine.snapshot().counters.steps
+    qtbot.waitUntil(lambda: app_engine.snapshot().counters.steps > steps, timeout=WAIT_MS)
+    snap = app_engine.snapshot()
+    assert doomed not in snap.sessions
+    assert not any(doomed in owners for owners in snap.owners)
+    wait_idle(qtbot, b)
+    assert last_reply(b).status in (Status.COMPLETE, Status.LENGTH)
