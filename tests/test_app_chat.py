@@ -310,8 +310,10 @@ def test_sending_while_the_chat_answers_shows_a_notice_and_keeps_the_text(harnes
     qtbot.keyClick(pane.input, Qt.Key.Key_Escape)  # Esc stops the reply
     wait_idle(qtbot, pane)
     assert last_reply(pane).status == Status.STOPPED
+    pane.session.set_settings(greedy(6))  # a short reply this time
     qtbot.keyClick(pane.input, Qt.Key.Key_Return)  # now the kept text goes out
     assert pane.session.active_path()[-2].content == "And another thing"
+    assert pane.input.toPlainText() == "" and not pane.notice_label.isVisible()
     wait_idle(qtbot, pane)
 
 
