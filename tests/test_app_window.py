@@ -192,3 +192,39 @@ def test_the_per_chat_settings_dialog_changes_only_that_chat(window, qtbot):
     answer_modal(qtbot, lambda: shortcut(qtbot, window, window.act_chat_settings),
                  cancel_changes, ChatSettingsDialog)
     assert pane.session.settings.sampling.temperature == 0.25
+
+
+def test_a_hugging_face_repo_with_a_token_from_settings(window, qtbot, monkeypatch):
+    """Settings > Hugging Face repo + token: the token goes to the keychain and to
+    huggingface_hub (this process), the engine restarts on the repo, and without a network
+    the window says so, naming the repo (no download is possible here)."""
+    import huggingface_hub
+    from PySide6.QtWidgets import QDialogButtonBox
+
+    from app.settings_dialog import SettingsDialog
+    from tests.user_path import answer_modal, click_button
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)  # restored after the test
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here: fail at once, not on a timeout
+    repo = "pagedchat-tests/no-such-tiny-model"
+
+    def choose_repo(dialog) -> None:
+        try:
+            qtbot.mouseClick(dialog.kind_hf, Qt.MouseButton.LeftButton,
+                             pos=dialog.kind_hf.rect().center())
+            dialog.repo_edit.clear()
+            qtbot.keyClicks(dialog.repo_edit, repo)
+            qtbot.keyClicks(dialog.token_edit, "hf_test_token_456")
+            click_button(qtbot, dialog, QDialogButtonBox.StandardButton.Ok)
+        finally:
+            if dialog.isVisible():
+                dialog.reject()
+
+    answer_modal(qtbot, lambda: shortcut(qtbot, window, window.act_settings), choose_repo,
+                 SettingsDialog)
+    assert window.settings.model_kind == "hf" and window.settings.model_repo == repo
+    assert huggingface_hub.get_token() == "hf_test_token_456"  # what the download would send
+    qtbot.waitUntil(lambda: window.bridge.status == "error", timeout=120_000)
+    assert repo in window.bridge.load_error and window.banner.isVisible()
+    assert repo in window.banner.label.text()
+    window.bridge.shutdown()
