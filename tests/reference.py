@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -18,7 +19,10 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 from engine import Engine, FinalEvent, TokenEvent
 from engine.config import SamplingParams
 from engine.models import LoadedModel, load_model
-from engine.sampling import new_key
+
+# mlx-lm's make_logits_processors default (repetition_context_size=20): the penalty looks at
+# the last 20 tokens of the sequence, whatever longer history the caller hands it.
+REPETITION_WINDOW = 20
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,19 +46,73 @@ def greedy_reference(prompt: list[int], max_tokens: int) -> list[int]:
     return out
 
 
+def oracle_distribution(logits: Sequence[float] | np.ndarray, params: SamplingParams,
+                        history: Sequence[int] = ()) -> np.ndarray:
+    """The distribution a draw must follow, computed in float64 numpy from the definitions
+    (independent of engine.sampling and of mlx-lm's filter code):
+
+    repetition penalty on the last REPETITION_WINDOW tokens (a seen token's logit is divided by
+    the penalty when positive, multiplied when negative); then the kept set, chosen on the
+    untempered softmax: top-p = the most likely tokens until their mass reaches top_p, min-p =
+    tokens with p >= min_p * p_max, top-k = the k most likely; then softmax(logits / T)
+    restricted to the kept set. Temperature 0 is a point mass on the argmax.
+    """
+    x = np.asarray(logits, dtype=np.float64).copy()
+    if params.repetition_penalty != 1.0:
+        penalty = params.repetition_penalty
+        for t in set(history[-REPETITION_WINDOW:]):
+            x[t] = x[t] * penalty if x[t] < 0 else x[t] / penalty
+    if params.greedy:
+        out = np.zeros_like(x)
+        out[int(np.argmax(x))] = 1.0
+        return out
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    keep = np.ones(x.shape, dtype=bool)
+    order = np.argsort(-p, kind="stable")
+    if 0.0 < params.top_p < 1.0:
+        mass_before = np.cumsum(p[order]) - p[order]  # mass of the strictly more likely tokens
+        keep[order[mass_before >= params.top_p]] = False
+    if params.min_p > 0.0:
+        keep &= p >= params.min_p * p.max()
+    if params.top_k > 0:
+        keep[order[params.top_k:]] = False
+    z = np.where(keep, x / params.temperature, -np.inf)
+    q = np.exp(z - z[keep].max())
+    return q / q.sum()
+
+
+def key_stream(seed: int, index: int):
+    """The PRNG keys of sample ``index`` of a seeded request, as the engine documents them:
+    sample i starts from split(key(seed), i + 1)[i]; each draw splits (next key, draw key)."""
+    key = mx.random.split(mx.random.key(seed), index + 1)[index]
+    while True:
+        key, draw = mx.random.split(key)
+        yield draw
+
+
+def oracle_draw(distribution: np.ndarray, draw_key: mx.array) -> int:
+    """A draw from ``distribution`` with MLX's Gumbel-max categorical under ``draw_key``: the
+    same key picks the same token for any logits with the same kept set and softmax."""
+    with np.errstate(divide="ignore"):
+        logp = np.log(distribution).astype(np.float32)
+    return mx.random.categorical(mx.array(logp)[None], key=draw_key)[0].item()
+
+
 def sampled_reference(prompt: list[int], params: SamplingParams, index: int,
                       tokens: list[int]) -> list[int]:
-    """Replays a sampled reply on mlx-lm's cache with the same PRNG key stream: returns the
-    tokens that should have been drawn, given the tokens actually drawn before each one."""
+    """Replays a sampled reply on mlx-lm's cache with the numpy oracle and the documented key
+    stream: returns the tokens that should have been drawn, given the tokens actually drawn
+    before each one (so one divergence does not cascade)."""
     ref = reference_model()
     cache = make_prompt_cache(ref.model)
-    key = new_key(params.seed, index)
+    keys = key_stream(params.seed, index)
     logits = ref.model(mx.array([prompt]), cache=cache)[0, -1]
     history = list(prompt)
     expected = []
     for token in tokens:
-        drawn, key = sample_next(logits, params, history, key)
-        expected.append(drawn.item())
+        dist = oracle_distribution(np.array(logits.astype(mx.float32)), params, history)
+        expected.append(oracle_draw(dist, next(keys)))
         history.append(token)
         logits = ref.model(mx.array([[token]]), cache=cache)[0, -1]
     return expected

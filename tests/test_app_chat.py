@@ -15,6 +15,8 @@ from PySide6.QtGui import QGuiApplication
 
 from app.core.records import Message, Status
 from tests.app_helpers import WAIT_MS, greedy, last_reply, open_window, wait_idle
+from tests.reference import chat_prompt, greedy_reference, reference_model
+from tests.user_path import alt_key, choose_from_context_menu, click_action, type_and_send
 
 pytestmark = pytest.mark.model
 
@@ -32,6 +34,12 @@ def _pane_with(h, settings):
     pane = h.window.focused_pane
     pane.session.set_settings(settings)
     return pane
+
+
+def greedy_text(messages: list[dict], max_tokens: int) -> str:
+    """mlx-lm's own greedy reply to ``messages``, as text (computed while the engine idles)."""
+    tokens = greedy_reference(chat_prompt(messages), max_tokens)
+    return reference_model().tokenizer.decode(tokens)
 
 
 def test_two_panes_stream_at_the_same_time(harness, qtbot):
@@ -55,11 +63,25 @@ def test_two_panes_stream_at_the_same_time(harness, qtbot):
                 None if busy else done.setdefault(sid, time.monotonic())
             )
         )
-    a.input.setPlainText(LONG_PROMPT)
-    qtbot.keyClick(a.input, Qt.Key.Key_Return)
-    w.focus_pane(1)
-    b.input.setPlainText("Write a long poem about the sea.")
-    qtbot.keyClick(b.input, Qt.Key.Key_Return)
+    prompts = {a.session.id: LONG_PROMPT, b.session.id: "Write a long poem about the sea."}
+    expected = {sid: greedy_text([{"role": "user", "content": text}], 24)
+                for sid, text in prompts.items()}
+    assert expected[a.session.id] != expected[b.session.id]
+    streamed_wrong: list[str] = []
+
+    def watch(pane):
+        def changed(message_id: str) -> None:
+            msg = pane.session.tree.get(message_id)
+            if msg.role == "assistant" and not expected[pane.session.id].startswith(msg.content):
+                streamed_wrong.append(f"{pane.session.id}: {msg.content!r}")
+        pane.session.messageChanged.connect(changed)
+
+    watch(a)
+    watch(b)
+    type_and_send(qtbot, a, prompts[a.session.id])
+    qtbot.keyClick(w, Qt.Key.Key_2, Qt.KeyboardModifier.ControlModifier)
+    assert w.focused_pane is b
+    type_and_send(qtbot, b, prompts[b.session.id])
     assert a.session.busy and b.session.busy
     wait_idle(qtbot, a, b)
     # each pane received tokens before the other one finished: they streamed concurrently
@@ -69,7 +91,9 @@ def test_two_panes_stream_at_the_same_time(harness, qtbot):
     assert set(tokens[a.session.id]).isdisjoint(tokens[b.session.id])
     ra, rb = last_reply(a), last_reply(b)
     assert ra.role == rb.role == "assistant"
-    assert ra.content and rb.content and ra.content != rb.content
+    # each pane got its own prompt's greedy reply, and showed only its prefixes while streaming
+    assert ra.content == expected[a.session.id] and rb.content == expected[b.session.id]
+    assert not streamed_wrong, streamed_wrong[:3]
     assert ra.status in (Status.COMPLETE, Status.LENGTH)
     # finished replies are persisted
     stored = {m.id: m for m in harness.store.load_messages(a.session.id)}
@@ -105,27 +129,44 @@ def test_stop_ends_the_reply_and_frees_its_blocks(harness, qtbot):
 
 def test_regenerate_adds_alternatives_and_the_switcher_moves_between_them(harness, qtbot):
     pane = _pane_with(harness, greedy(8))
-    assert pane.send("Name a colour.")
+    type_and_send(qtbot, pane, "Name a colour.")
     wait_idle(qtbot, pane)
     original = last_reply(pane)
-    # two more alternatives in one request (n=2): sampled, so give them some temperature
+    kept = (original.id, original.content, original.status)  # values, not the live object
+    assert original.content
+    # the reply's own regenerate button: greedy, so the same text again, as a new sibling
+    click_action(qtbot, pane, original.id, "regenerate")
+    assert pane.session.busy
+    wait_idle(qtbot, pane)
+    again = last_reply(pane)
+    assert again.id != original.id and again.content == kept[1]
+    assert pane.session.tree.sibling_position(again.id) == (1, 2)
+    # two more alternatives in one request (n=2) from the message's menu: sampled
     s = pane.session.settings
     s.sampling = dataclasses.replace(s.sampling, temperature=1.0, seed=7)
     pane.session.set_settings(s)
-    assert pane.regenerate(original.id, 2)
+    choose_from_context_menu(pane, again.id, "Regenerate Alternatives", "2 Alternatives")
+    assert pane.session.busy
     wait_idle(qtbot, pane)
     siblings = pane.session.tree.siblings(original.id)
-    assert len(siblings) == 3 and all(
-        m.status in (Status.COMPLETE, Status.LENGTH) for m in siblings
+    assert len(siblings) == 4 and all(
+        m.status in (Status.COMPLETE, Status.LENGTH) and m.content for m in siblings
     )
-    assert original.content == siblings[0].content  # the old reply is kept as is
+    first = siblings[0]
+    assert (first.id, first.content, first.status) == kept  # the old reply is kept as is
+    stored = harness.store.get_message(kept[0])
+    assert (stored.id, stored.content, stored.status) == kept
     shown = last_reply(pane)
-    assert shown.id == siblings[1].id
-    assert pane.session.tree.sibling_position(shown.id) == (1, 3)
-    # click ‹ in the reply's switcher
-    row = pane.model.row_of(shown.id)
-    rect = pane.view.row_geometry(row).actions["prev"]
-    qtbot.mouseClick(pane.view.viewport(), Qt.MouseButton.LeftButton, pos=rect.center())
+    assert shown.id == siblings[2].id
+    assert pane.session.tree.sibling_position(shown.id) == (2, 4)
+    # click ‹ in the reply's switcher, then Alt+Left: back to the original
+    click_action(qtbot, pane, shown.id, "prev")
+    assert last_reply(pane).id == siblings[1].id
+    alt_key(qtbot, pane, siblings[1].id, Qt.Key.Key_Left)
+    assert last_reply(pane).id == original.id
+    alt_key(qtbot, pane, original.id, Qt.Key.Key_Right)
+    assert last_reply(pane).id == siblings[1].id
+    click_action(qtbot, pane, siblings[1].id, "prev")
     assert last_reply(pane).id == original.id
     assert harness.store.get_conversation(pane.session.id).active_leaf == original.id
 
@@ -146,7 +187,7 @@ def test_edit_and_resend_makes_a_branch_and_keeps_the_old_one(harness, qtbot):
     assert new_user.content == "Say goodbye." and new_user.id != old_user.id
     assert new_user.parent_id == old_user.parent_id is None  # a sibling: an alternative
     assert new_reply.content
-    assert pane.session.switch_alternative(new_user.id, -1)
+    alt_key(qtbot, pane, new_user.id, Qt.Key.Key_Left)  # the user message's alternatives
     assert [m.id for m in pane.session.active_path()] == [old_user.id, old_reply.id]
 
 
@@ -156,6 +197,7 @@ def test_branch_from_a_message_opens_a_new_chat(harness, qtbot):
     pane.send("Count to three.")
     wait_idle(qtbot, pane)
     user, reply = pane.session.active_path()
+    before = [(m.id, m.role, m.content, m.status) for m in (user, reply)]
     row = pane.model.row_of(reply.id)
     branch = pane.view.row_geometry(row).actions["branch"]
     qtbot.mouseClick(pane.view.viewport(), Qt.MouseButton.LeftButton, pos=branch.center())
@@ -165,8 +207,10 @@ def test_branch_from_a_message_opens_a_new_chat(harness, qtbot):
     copied = new.session.active_path()
     assert [(m.role, m.content) for m in copied] == [(m.role, m.content) for m in (user, reply)]
     assert new.session.settings.system_prompt == "You are terse."
-    assert pane.session.active_path() == [user, reply]  # the original is untouched
-    new.send("And to four?")
+    original = [(m.id, m.role, m.content, m.status) for m in pane.session.active_path()]
+    assert original == before  # the original is untouched
+    assert [m.id for m in copied] != [m.id for m in (user, reply)]  # copies, not the same rows
+    type_and_send(qtbot, new, "And to four?")
     wait_idle(qtbot, new)
     assert len(new.session.active_path()) == 4 and len(pane.session.active_path()) == 2
 
@@ -220,9 +264,16 @@ def test_bad_input_shows_a_message_and_loses_nothing(harness, qtbot):
     assert reply.status == Status.ERROR and "context limit" in reply.meta["error"]
     assert pane.notice_label.isVisible() and "context limit" in pane.notice_label.text()
     # the chat still works afterwards (edit the long message into a short one)
-    assert pane.session.edit_and_resend(user.id, "Hi!")
+    click_action(qtbot, pane, user.id, "edit")
+    assert pane.edit_banner.isVisible() and pane.input.toPlainText() == huge
+    qtbot.keyClick(pane.input, Qt.Key.Key_A, Qt.KeyboardModifier.ControlModifier)
+    qtbot.keyClicks(pane.input, "Hi!")
+    qtbot.keyClick(pane.input, Qt.Key.Key_Return)
     wait_idle(qtbot, pane)
-    assert last_reply(pane).status in (Status.COMPLETE, Status.LENGTH)
+    edited, reply = pane.session.active_path()
+    assert edited.content == "Hi!" and edited.parent_id == user.parent_id
+    assert reply.status in (Status.COMPLETE, Status.LENGTH)
+    assert pane.session.tree.get(user.id).content == huge  # the long one is kept as a branch
 
 
 def test_send_to_all_reaches_every_pane(harness, qtbot):
@@ -232,9 +283,11 @@ def test_send_to_all_reaches_every_pane(harness, qtbot):
         p = w.new_chat(new_pane=True)
         p.session.set_settings(greedy(6))
         panes.append(p)
-    w.toggle_compare(True)
-    assert w.compare_bar.isVisible()
-    w.compare_bar.input.setPlainText("Say yes.")
+    assert not w.compare_bar.isVisible()
+    qtbot.keyClick(w, Qt.Key.Key_Return,
+                   Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier)
+    assert w.compare_bar.isVisible() and w.act_send_all.isChecked()
+    qtbot.keyClicks(w.compare_bar.input, "Say yes.")
     qtbot.keyClick(w.compare_bar.input, Qt.Key.Key_Return)
     assert all(p.session.busy for p in panes)
     assert w.compare_bar.input.toPlainText() == ""
@@ -243,3 +296,59 @@ def test_send_to_all_reaches_every_pane(harness, qtbot):
     # Ctrl+1..3 focus the panes
     qtbot.keyClick(w, Qt.Key.Key_2, Qt.KeyboardModifier.ControlModifier)
     assert w.focused_pane is panes[1]
+
+
+def test_sending_while_the_chat_answers_shows_a_notice_and_keeps_the_text(harness, qtbot):
+    pane = _pane_with(harness, greedy(300))
+    type_and_send(qtbot, pane, LONG_PROMPT)
+    assert pane.session.busy
+    before = len(pane.session.tree)
+    type_and_send(qtbot, pane, "And another thing")
+    assert pane.notice_label.isVisible() and "still answering" in pane.notice_label.text()
+    assert pane.input.toPlainText() == "And another thing"  # nothing typed is lost
+    assert len(pane.session.tree) == before and pane.session.busy
+    qtbot.keyClick(pane.input, Qt.Key.Key_Escape)  # Esc stops the reply
+    wait_idle(qtbot, pane)
+    assert last_reply(pane).status == Status.STOPPED
+    pane.session.set_settings(greedy(6))  # a short reply this time
+    qtbot.keyClick(pane.input, Qt.Key.Key_Return)  # now the kept text goes out
+    assert pane.session.active_path()[-2].content == "And another thing"
+    assert pane.input.toPlainText() == "" and not pane.notice_label.isVisible()
+    wait_idle(qtbot, pane)
+
+
+def test_deleting_a_streaming_chat_cancels_it_frees_its_blocks_and_removes_its_rows(
+    harness, qtbot, app_engine
+):
+    from tests.user_path import delete_from_sidebar
+
+    w = harness.window
+    a = _pane_with(harness, greedy(400))
+    b = w.new_chat(new_pane=True)
+    b.session.set_settings(greedy(60))
+    doomed, kept = a.session.id, b.session.id
+    type_and_send(qtbot, a, LONG_PROMPT)
+    qtbot.keyClick(w, Qt.Key.Key_2, Qt.KeyboardModifier.ControlModifier)
+    type_and_send(qtbot, b, "Write a long poem about the sea.")
+
+    def streaming(sid: str) -> bool:
+        snap = app_engine.snapshot()
+        return bool(snap and sid in snap.sessions and snap.sessions[sid].blocks_held)
+
+    qtbot.waitUntil(lambda: streaming(doomed) and streaming(kept), timeout=WAIT_MS)
+    assert harness.bridge.active_requests(doomed)
+    delete_from_sidebar(qtbot, w, doomed, "Delete")
+    assert harness.store.get_conversation(doomed) is None
+    assert harness.store.load_messages(doomed) == [] and w.pane_for(doomed) is None
+    assert [p.session.id for p in w.panes] == [kept]
+    # its request ends (the engine's final event reaches the bridge) while the other streams
+    qtbot.waitUntil(lambda: not harness.bridge.active_requests(doomed), timeout=WAIT_MS)
+    assert harness.bridge.active_requests(kept)
+    # the engine drops the chat before its next step (the other chat keeps it stepping)
+    steps = app_engine.snapshot().counters.steps
+    qtbot.waitUntil(lambda: app_engine.snapshot().counters.steps > steps, timeout=WAIT_MS)
+    snap = app_engine.snapshot()
+    assert doomed not in snap.sessions
+    assert not any(doomed in owners for owners in snap.owners)
+    wait_idle(qtbot, b)
+    assert last_reply(b).status in (Status.COMPLETE, Status.LENGTH)

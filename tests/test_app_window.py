@@ -10,6 +10,14 @@ from app.core.store import Store
 from app.engine_bridge import EngineBridge
 from app.main_window import MAX_PANES, MainWindow
 from app.theme import theme_manager
+from tests.user_path import (
+    answer_message_box,
+    delete_from_sidebar,
+    rename_by_keys,
+    search_by_typing,
+    shortcut,
+    type_and_send,
+)
 
 
 @pytest.fixture
@@ -55,27 +63,40 @@ def test_unused_new_chats_do_not_pile_up(window):
 
 def test_sidebar_rename_search_and_delete(window, qtbot):
     sidebar = window.sidebar
-    a = window.focused_pane.session
-    a.send("hello there")  # no engine: the message is kept, the reply shows an error
+    first = window.focused_pane
+    type_and_send(qtbot, first, "hello there")  # no engine: the message is kept, reply errs
+    a = first.session
     assert a.active_path()[0].content == "hello there"
-    b = window.new_chat(new_pane=True).session
-    b.rename("Shopping list")
-    sidebar.reload()
-    assert set(sidebar.visible_ids()) == {a.id, b.id}
-    row = sidebar.model.row_of(b.id)
-    assert sidebar.model.setData(sidebar.model.index(row), "Groceries", Qt.ItemDataRole.EditRole)
+    shortcut(qtbot, window, window.act_new_pane)
+    b = window.focused_pane.session
+    assert b is not a
+    type_and_send(qtbot, window.focused_pane, "milk and eggs")
+    rename_by_keys(qtbot, window, "Groceries")  # F2, type, Return
     assert window.store.get_conversation(b.id).title == "Groceries" and b.title == "Groceries"
-    sidebar.set_search("groc")
+    assert set(sidebar.visible_ids()) == {a.id, b.id}
+    search_by_typing(qtbot, window, "groc")
     assert sidebar.visible_ids() == [b.id]
-    sidebar.set_search("THERE")  # message text, case-insensitive
+    search_by_typing(qtbot, window, "THERE")  # message text, case-insensitive
     assert sidebar.visible_ids() == [a.id]
-    sidebar.set_search("nothing like this")
+    search_by_typing(qtbot, window, "nothing like this")
     assert sidebar.visible_ids() == [] and sidebar.empty.isVisible()
-    sidebar.set_search("")
-    assert window.delete_chat(b.id, confirm=False)
+    search_by_typing(qtbot, window, "")
+    assert set(sidebar.visible_ids()) == {a.id, b.id} and not sidebar.empty.isVisible()
+    # Delete in the sidebar asks first: Cancel keeps the chat, Delete removes it
+    question = delete_from_sidebar(qtbot, window, b.id, "Cancel")
+    assert "Groceries" in question
+    assert window.store.get_conversation(b.id) is not None and window.pane_for(b.id)
+    delete_from_sidebar(qtbot, window, b.id, "Delete")
     assert window.store.get_conversation(b.id) is None and window.pane_for(b.id) is None
-    assert window.delete_chat(a.id, confirm=False)  # the last pane gets another chat
+    assert window.store.load_messages(b.id) == []
+    # Edit > Delete Chat on the last pane's chat: the pane gets another chat
+    window.focus_pane(0)
+    answer_message_box(qtbot, window.act_delete.trigger, "Delete")
+    assert window.store.get_conversation(a.id) is None
     assert len(window.panes) == 1 and window.panes[0].session.id != a.id
+    # the unit-level call (no dialog) stays for code that deletes on the user's behalf
+    c = window.panes[0].session.id
+    assert window.delete_chat(c, confirm=False) and window.store.get_conversation(c) is None
 
 
 def test_without_a_model_sending_keeps_the_message_and_says_why(window):
@@ -87,9 +108,10 @@ def test_without_a_model_sending_keeps_the_message_and_says_why(window):
     assert reply.status == "error" and "No model is loaded" in pane.notice_label.text()
 
 
-def test_every_control_has_an_accessible_name(window):
+def test_every_control_has_an_accessible_name(window, qtbot):
     window.new_chat(new_pane=True)
-    window.toggle_compare(True)
+    shortcut(qtbot, window, window.act_send_all)  # the compare bar
+    assert window.compare_bar.isVisible()
     missing = []
     for w in window.findChildren(QWidget):
         if not w.isVisibleTo(window) or w.focusPolicy() == Qt.FocusPolicy.NoFocus:
@@ -103,15 +125,17 @@ def test_every_control_has_an_accessible_name(window):
 
 
 def test_theme_switches_light_and_dark(window, qtbot):
-    with qtbot.waitSignal(theme_manager().changed):
-        window.set_theme("dark")
-    assert theme_manager().dark
-    assert window.palette().color(window.backgroundRole()).lightness() < 80
-    with qtbot.waitSignal(theme_manager().changed):
-        window.set_theme("light")
-    assert not theme_manager().dark
-    assert window.palette().color(window.backgroundRole()).lightness() > 200
-    assert window.theme_actions["light"].isChecked() or window.settings.theme == "light"
+    from app.app_settings import AppSettings
+
+    for theme, dark in (("dark", True), ("light", False)):
+        with qtbot.waitSignal(theme_manager().changed):
+            window.theme_actions[theme].trigger()  # View > Theme > Dark / Light
+        assert theme_manager().dark is dark
+        lightness = window.palette().color(window.backgroundRole()).lightness()
+        assert lightness < 80 if dark else lightness > 200
+        checked = [v for v, a in window.theme_actions.items() if a.isChecked()]
+        assert checked == [theme]
+        assert window.settings.theme == theme and AppSettings.load(window.store).theme == theme
 
 
 def test_monitor_dock_placeholder(window):
@@ -182,3 +206,90 @@ def test_the_monitor_asks_the_window_about_chats(window, qtbot):
     assert hovered.args == [b.session.id] and panel.highlighted == b.session.id
     QApplication.sendEvent(b, QEvent(QEvent.Type.Leave))
     assert panel.highlighted == a.session.id
+
+
+def test_the_per_chat_settings_dialog_changes_only_that_chat(window, qtbot):
+    from PySide6.QtWidgets import QDialogButtonBox
+
+    from app.chat.chat_settings_dialog import ChatSettingsDialog
+    from tests.user_path import answer_modal, click_button
+
+    pane = window.focused_pane
+    other = window.new_chat(new_pane=True)
+    other_before = other.session.settings.to_dict()
+    window.focus_pane(0)
+    seen = []
+
+    def change(dialog) -> None:
+        try:
+            seen.append(dialog.windowTitle())
+            qtbot.keyClicks(dialog.system_prompt, "Answer like a pirate.")
+            dialog.sampling.temperature.setValue(0.25)
+            dialog.sampling.top_k.setValue(40)
+            dialog.sampling.seed.setValue(11)
+            click_button(qtbot, dialog, QDialogButtonBox.StandardButton.Ok)
+        finally:
+            if dialog.isVisible():
+                dialog.reject()
+
+    # the pane header's settings button opens it
+    answer_modal(qtbot, lambda: qtbot.mouseClick(pane.settings_button, Qt.MouseButton.LeftButton),
+                 change, ChatSettingsDialog)
+    assert seen and pane.session.title in seen[0]
+    s = pane.session.settings
+    assert (s.system_prompt, s.sampling.temperature, s.sampling.top_k, s.sampling.seed) == (
+        "Answer like a pirate.", 0.25, 40, 11)
+    stored = window.store.get_conversation(pane.session.id).settings
+    assert stored.to_dict() == s.to_dict()  # saved with the chat
+    assert pane.subtitle_label.isVisibleTo(pane) and "pirate" in pane.subtitle_label.text()
+    assert other.session.settings.to_dict() == other_before  # the other chat is untouched
+
+    def cancel_changes(dialog) -> None:
+        try:
+            assert dialog.system_prompt.toPlainText() == "Answer like a pirate."  # shows current
+            dialog.sampling.temperature.setValue(1.5)
+            click_button(qtbot, dialog, QDialogButtonBox.StandardButton.Cancel)
+        finally:
+            if dialog.isVisible():
+                dialog.reject()
+
+    # Chat > Chat Settings (its shortcut) opens it too; Cancel changes nothing
+    answer_modal(qtbot, lambda: shortcut(qtbot, window, window.act_chat_settings),
+                 cancel_changes, ChatSettingsDialog)
+    assert pane.session.settings.sampling.temperature == 0.25
+
+
+def test_a_hugging_face_repo_with_a_token_from_settings(window, qtbot, monkeypatch):
+    """Settings > Hugging Face repo + token: the token goes to the keychain and to
+    huggingface_hub (this process), the engine restarts on the repo, and without a network
+    the window says so, naming the repo (no download is possible here)."""
+    import huggingface_hub
+    from PySide6.QtWidgets import QDialogButtonBox
+
+    from app.settings_dialog import SettingsDialog
+    from tests.user_path import answer_modal, click_button
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)  # restored after the test
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here: fail at once, not on a timeout
+    repo = "pagedchat-tests/no-such-tiny-model"
+
+    def choose_repo(dialog) -> None:
+        try:
+            qtbot.mouseClick(dialog.kind_hf, Qt.MouseButton.LeftButton,
+                             pos=dialog.kind_hf.rect().center())
+            dialog.repo_edit.clear()
+            qtbot.keyClicks(dialog.repo_edit, repo)
+            qtbot.keyClicks(dialog.token_edit, "hf_test_token_456")
+            click_button(qtbot, dialog, QDialogButtonBox.StandardButton.Ok)
+        finally:
+            if dialog.isVisible():
+                dialog.reject()
+
+    answer_modal(qtbot, lambda: shortcut(qtbot, window, window.act_settings), choose_repo,
+                 SettingsDialog)
+    assert window.settings.model_kind == "hf" and window.settings.model_repo == repo
+    assert huggingface_hub.get_token() == "hf_test_token_456"  # what the download would send
+    qtbot.waitUntil(lambda: window.bridge.status == "error", timeout=120_000)
+    assert repo in window.bridge.load_error and window.banner.isVisible()
+    assert repo in window.banner.label.text()
+    window.bridge.shutdown()

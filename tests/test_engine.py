@@ -92,14 +92,47 @@ def test_shared_system_prompt_reuses_cached_blocks(engine: Engine) -> None:
 
 def test_fork_after_prompt_copies_the_shared_partial_block(engine: Engine) -> None:
     prompt = chat_prompt(user("Tell me a story about a dragon."))
-    assert len(prompt) % 16 != 0  # the last prompt block is partial: forks must copy it
-    params = SamplingParams(temperature=1.0, max_tokens=20, seed=7, n=3)
-    tokens, finals = collect(engine.submit(prompt_tokens=prompt, params=params,
-                                           session_id="fork"))
+    full, tail = divmod(len(prompt), 16)
+    assert tail and full  # the last prompt block is partial: forks must copy it
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=7, n=3)
+    handle = engine.submit(prompt_tokens=prompt, params=params, session_id="fork")
+    prompt_blocks = [tuple(prompt[i * 16:(i + 1) * 16]) for i in range(full)]
+    prompt_tail = tuple(prompt[full * 16:])
+
+    def layout():
+        snap = engine.snapshot()
+        held = [b for b in range(snap.num_blocks) if "fork" in snap.owners[b]]
+        whole = [b for b in held if snap.block_tokens[b] in prompt_blocks]
+        tails = [b for b in held if b not in whole and snap.block_tokens[b][:tail] == prompt_tail]
+        return snap, held, whole, tails
+
+    # the first snapshot where every sample has written past the prompt (or the reply ended)
+    wait_until(lambda: handle.done or len([b for b in layout()[3]
+                                           if layout()[0].refcounts[b] == 1]) >= 3)
+    snap, held, whole, tails = layout()
+    assert not handle.done, "the request ended before a snapshot showed the fork"
+    # the prompt's full blocks are stored once, held by all three samples
+    assert sorted(snap.block_tokens[b] for b in whole) == sorted(prompt_blocks)
+    assert [snap.refcounts[b] for b in whole] == [3] * full
+    # the partial block: the original plus exactly one copy per extra sample, each private
+    assert len(tails) == 3 and [snap.refcounts[b] for b in tails] == [1, 1, 1]
+    assert all(snap.refcounts[b] == 1 for b in held if b not in whole)
+    tokens, finals = collect(handle)
     assert len(finals) == 3
     assert len({tuple(t) for t in tokens.values()}) > 1, "samples did not diverge"
     for index, drawn in tokens.items():
         assert drawn == sampled_reference(prompt, params, index, drawn), f"sample {index}"
+
+
+def test_sampled_reply_with_every_filter_follows_the_numpy_oracle(engine: Engine) -> None:
+    """top-p, top-k, min-p and the repetition penalty, through the engine's batch, replayed
+    with the independent oracle and the documented key stream."""
+    prompt = chat_prompt(user("Invent a name for a cat and say why."))
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, min_p=0.05,
+                            repetition_penalty=1.3, max_tokens=24, seed=99)
+    tokens, _ = collect(engine.submit(prompt_tokens=prompt, params=params, session_id="filters"))
+    assert len(tokens[0]) > 4
+    assert tokens[0] == sampled_reference(prompt, params, 0, tokens[0])
 
 
 def test_eight_chats_arriving_at_different_times_match_their_solo_runs(engine: Engine) -> None:
@@ -142,16 +175,31 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(engine: Engine)
     collect(runner)
 
 
+def _first_snapshot_after_the_next_step(engine: Engine):
+    """The earliest snapshot that is certainly later than a cancel whose final event has
+    arrived: the snapshot read now may predate the cancel, but the engine counts a step only
+    after draining its inbox, so one with a higher step count comes after it."""
+    before = engine.snapshot().counters.steps
+    wait_until(lambda: engine.snapshot().counters.steps > before)
+    return engine.snapshot()
+
+
 def test_cancel_frees_blocks_at_once_and_deleted_session_ends_cancelled(engine: Engine) -> None:
+    # a running chat keeps the engine stepping (so snapshots come from steps, not idleness)
+    runner = engine.submit(messages=user("Count from one to fifty in words."),
+                           params=SamplingParams(temperature=0.0, max_tokens=400),
+                           session_id="cancel-runner")
     handle = engine.submit(messages=user("Write a long poem about autumn."),
                            params=SamplingParams(temperature=0.0, max_tokens=400),
                            session_id="cancel-me")
-    wait_until(lambda: handle.token_events >= 3)
-    assert session_blocks(engine, "cancel-me") > 0
+    wait_until(lambda: handle.token_events >= 3 and session_blocks(engine, "cancel-me") > 0)
     handle.cancel()
     _, finals = collect(handle)
     assert finals[0].finish_reason is FinishReason.CANCELLED
-    wait_until(lambda: session_blocks(engine, "cancel-me") == 0, timeout=5)
+    snap = _first_snapshot_after_the_next_step(engine)
+    assert snap.sessions["cancel-me"].blocks_held == 0
+    assert not any("cancel-me" in owners for owners in snap.owners)
+    assert snap.sessions["cancel-runner"].blocks_held > 0 and not runner.done
 
     other = engine.submit(messages=user("Describe a forest."),
                           params=SamplingParams(temperature=0.0, max_tokens=400),
@@ -160,7 +208,11 @@ def test_cancel_frees_blocks_at_once_and_deleted_session_ends_cancelled(engine: 
     engine.cancel_session("deleted-chat")
     _, finals = collect(other)
     assert finals[0].finish_reason is FinishReason.CANCELLED
-    wait_until(lambda: "deleted-chat" not in engine.snapshot().sessions, timeout=5)
+    snap = _first_snapshot_after_the_next_step(engine)
+    assert "deleted-chat" not in snap.sessions
+    assert not any("deleted-chat" in owners for owners in snap.owners)
+    runner.cancel()
+    collect(runner)
 
 
 def test_seed_reproduces_and_stop_and_max_tokens_end_replies(engine: Engine) -> None:

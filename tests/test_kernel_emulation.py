@@ -11,6 +11,7 @@ Planted bugs (mutated copies of the shader) must make the comparison fail.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import cache
 
@@ -236,34 +237,80 @@ def check_results(case: Case, plan: list[kernels.Launch], results: list[list[mx.
 # Emulation
 # ---------------------------------------------------------------------------------------------
 
+# Cases that expose what MUTANT_CASE (fp32, one KV head) cannot: several KV heads with several
+# query heads each (the GQA head mapping), and fp16 / bf16 inputs (rounding to the storage type).
+GQA_CASES = (
+    Case(3, 2, 64, 16, mx.float16, split=False, simdgroups=2),
+    Case(4, 2, 64, 32, mx.float16, split=False),
+)
+LOW_PRECISION_CASES = (
+    Case(4, 1, 128, 16, mx.bfloat16, split=True),
+    Case(7, 1, 64, 8, mx.float16, split=False, simdgroups=1),
+)
+assert all(c in CASES for c in GQA_CASES + LOW_PRECISION_CASES)  # each passes unmutated
+assert all(c.kv_heads > 1 and c.group > 1 for c in GQA_CASES)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    old: str
+    new: str
+    cases: tuple[Case, ...] = (MUTANT_CASE,)
+
+
 MUTANTS = {
     # logical block j of the simdgroup gets the table entry of block j + 1
-    "table_entry_off_by_one": (
+    "table_entry_off_by_one": Mutant(
         "const int phys = simd_shuffle(my_entry, ushort(j));",
         "const int phys = simd_shuffle(my_entry, ushort(j + 1));",
     ),
     # the last, partially filled block of each partition is skipped
-    "last_partial_block_dropped": (
+    "last_partial_block_dropped": Mutant(
         "const int blk_end = (tok_end + BS - 1) / BS;",
         "const int blk_end = tok_end / BS;",
     ),
     # simdgroups read each other's softmax state before it is written
-    "missing_barrier": ("threadgroup_barrier(mem_flags::mem_threadgroup);", ""),
+    "missing_barrier": Mutant("threadgroup_barrier(mem_flags::mem_threadgroup);", ""),
     # the running output is not rescaled when the running max grows
-    "missing_rescale": ("acc[g][i] *= alpha;", ""),
+    "missing_rescale": Mutant("acc[g][i] *= alpha;", ""),
     # the reduce merges partitions past the end of short sequences (never written)
-    "reduce_ignores_context": (
+    "reduce_ignores_context": Mutant(
         "const int np = min(P, (context_lens[b] + PART - 1) / PART);",
         "const int np = P;",
     ),
+    # GQA: query head h served by KV head h % KVH (interleaved) instead of h // G
+    "gqa_heads_interleaved": Mutant(
+        "auto qh = q + (size_t(b) * H + size_t(kvh) * G + g) * D;",
+        "auto qh = q + (size_t(b) * H + size_t(g) * KVH + kvh) * D;",
+        GQA_CASES,
+    ),
+    # GQA: every threadgroup reads the keys of KV head 0
+    "gqa_keys_of_head_0": Mutant(
+        "auto k_head = k_pool + size_t(kvh) * D + lane * EPL;",
+        "auto k_head = k_pool + lane * EPL;",
+        GQA_CASES,
+    ),
+    # fp16/bf16: the softmax sum rounded to the storage type after every block
+    "sum_in_storage_type": Mutant(
+        "l[g] = l[g] * alpha + simd_sum(p);",
+        "l[g] = float(T(l[g] * alpha + simd_sum(p)));",
+        LOW_PRECISION_CASES,
+    ),
+    # fp16/bf16: the output accumulated in the storage type, token by token
+    "output_accumulated_in_storage_type": Mutant(
+        "acc[g][i] += pt * vr[i];",
+        "acc[g][i] = float(T(acc[g][i] + pt * vr[i]));",
+        LOW_PRECISION_CASES,
+    ),
 }
+MUTANT_RUNS = [(name, case) for name, m in MUTANTS.items() for case in m.cases]
 
 
 def mutated_sources(mutant: str) -> dict[str, kernels.KernelSource]:
-    old, new = MUTANTS[mutant]
+    m = MUTANTS[mutant]
     text = kernels.SHADER_PATH.read_text()
-    assert text.count(old) == 1, f"mutation site of {mutant!r} not found exactly once"
-    return kernels.parse_shader(text.replace(old, new))
+    assert text.count(m.old) == 1, f"mutation site of {mutant!r} not found exactly once"
+    return kernels.parse_shader(text.replace(m.old, m.new))
 
 
 @pytest.fixture(scope="module")
@@ -274,9 +321,10 @@ def prebuilt():
     sources = []
     for case in [*CASES, MUTANT_CASE]:
         sources += gen.plan_sources(plan_for(case))
-    for mutant in MUTANTS:
-        sources += gen.plan_sources(plan_for(MUTANT_CASE, mutated_sources(mutant)))
-    gen.prebuild(sources)
+    for mutant, case in MUTANT_RUNS:
+        sources += gen.plan_sources(plan_for(case, mutated_sources(mutant)))
+    with contextlib.suppress(gen.EmulatorError):  # a test needing a failed build reports it
+        gen.prebuild(sources)
 
 
 @needs_gxx
@@ -313,13 +361,16 @@ def test_mutant_case_passes_unmutated(prebuilt):
 
 
 @needs_gxx
-@pytest.mark.parametrize("mutant", list(MUTANTS))
-def test_planted_bug_is_caught(prebuilt, mutant):
-    plan = plan_for(MUTANT_CASE, mutated_sources(mutant))
+@pytest.mark.parametrize("mutant,case", MUTANT_RUNS, ids=lambda x: getattr(x, "id", x))
+def test_planted_bug_is_caught(prebuilt, mutant, case):
+    """The mutant must compile and run (a build failure or a crash proves nothing about the
+    comparison), and its numbers must fail the comparison."""
+    plan = plan_for(case, mutated_sources(mutant))
     runs = 2 if mutant == "missing_barrier" else 1  # deterministic: caught on every run
     for _ in range(runs):
-        with pytest.raises((AssertionError, gen.EmulatorError)):
-            check_results(MUTANT_CASE, plan, gen.run_plan(plan))
+        results = gen.run_plan(plan)  # EmulatorError here fails the test: not "caught"
+        with pytest.raises(AssertionError):
+            check_results(case, plan, results)
 
 
 # ---- the emulator's own primitives, against numpy ----

@@ -8,6 +8,7 @@ own, so they see exactly the snapshot the panel has just drawn. Generations are 
 from __future__ import annotations
 
 import html
+import re
 
 import pytest
 from PySide6.QtCore import QEvent, QPointF, Qt
@@ -78,9 +79,53 @@ def mismatches(panel: MonitorPanel, snap) -> list[str]:
             out.append(f"legend row {sid}: {row} vs {st}")
         if row.state != st.state.value:
             out.append(f"legend state {sid}: {row.state} vs {st.state.value}")
-    used = panel.counters.value("used").split(" ·")[0]
-    if used != f"{snap.used_blocks:,}":
-        out.append(f"counters used {used} vs {snap.used_blocks}")
+    out += counter_mismatches(panel, snap)
+    return out
+
+
+def _num(text: str) -> float:
+    return float(re.match(r"[\d,]*\.?\d+", text).group().replace(",", ""))
+
+
+def _mib(text: str) -> float:
+    value, unit = re.search(r"([\d.]+) (MiB|GiB)", text).groups()
+    return float(value) * (1024 if unit == "GiB" else 1)
+
+
+def counter_mismatches(panel: MonitorPanel, snap) -> list[str]:
+    """Every counter the panel shows against the snapshot, recomputed here from the
+    definitions in the counters' tooltips (to the precision each is displayed with)."""
+    n, bs, c = snap.num_blocks, snap.block_size, snap.counters
+    held = [b for b in range(n) if snap.refcounts[b] > 0]
+    used = len(held)
+    cached = sum(1 for b in range(n) if snap.refcounts[b] == 0 and snap.cached[b])
+    mib = snap.bytes_per_block / 2**20
+    expected = {
+        "used": (used, 0), "cached": (cached, 0), "free": (n - used - cached, 0),
+        "waste": (100 * (1 - sum(snap.fills[b] for b in held) / (used * bs)) if used else 0, 0.051),
+        "batch": (c.batch_size, 0), "rate": (c.tokens_per_s, 0.051),
+        "preemptions": (c.preemptions, 0),
+    }
+    out = []
+    value = panel.counters.value
+    for key, (want, tol) in expected.items():
+        got = _num(value(key))
+        if abs(got - want) > tol:
+            out.append(f"counter {key}: shows {value(key)!r}, snapshot says {want}")
+    for key, blocks in (("used", used), ("cached", cached), ("free", n - used - cached)):
+        if abs(_mib(value(key)) - blocks * mib) > max(0.051, 0.006 * blocks * mib):
+            out.append(f"counter {key}: shows {value(key)!r} for {blocks} blocks")
+    saved = sum(r - 1 for r in snap.refcounts if r > 1) * mib
+    if abs(_mib(value("saved")) - saved) > max(0.051, 0.006 * saved):
+        out.append(f"counter saved: shows {value('saved')!r}, snapshot says {saved:.2f} MiB")
+    if c.prefix_cache_queries:
+        pct, queries = map(_num, value("hits").replace("%", "").split(" of "))
+        want_pct = 100 * c.prefix_cache_hits / c.prefix_cache_queries
+        if abs(pct - want_pct) > 0.51 or queries != c.prefix_cache_queries:
+            out.append(f"counter hits: shows {value('hits')!r}, snapshot says "
+                       f"{c.prefix_cache_hits}/{c.prefix_cache_queries}")
+    if c.step_time_ms and abs(_num(value("step")) - c.step_time_ms) > 0.51:
+        out.append(f"counter step: shows {value('step')!r}, snapshot says {c.step_time_ms}")
     return out
 
 
@@ -148,6 +193,8 @@ def test_same_system_prompt_shows_shared_blocks_with_refcount_2(harness, qtbot, 
                 "cells": [panel.block_map.cell_state(i) for i in shared],
                 "legend": {sid: model.row_data(sid) for sid in ids},
                 "snap": snap,
+                "mismatches": mismatches(panel, snap),
+                "saved": panel.counters.value("saved"),
             })
 
     harness.bridge.snapshotUpdated.connect(check)
@@ -155,6 +202,8 @@ def test_same_system_prompt_shows_shared_blocks_with_refcount_2(harness, qtbot, 
     b.send("Write a haiku about memory.")
     qtbot.waitUntil(lambda: bool(seen), timeout=WAIT_MS)
     cells = seen[0]["cells"]
+    assert seen[0]["mismatches"] == [], "\n".join(seen[0]["mismatches"][:10])
+    assert _mib(seen[0]["saved"]) > 0  # shared blocks: sharing saves memory
     assert len(cells) >= 2  # the system prompt fills at least two blocks
     for cell in cells:
         assert cell.category == "shared" and cell.refcount == 2
@@ -276,10 +325,56 @@ def test_a_small_pool_shows_preemption_in_the_legend(qtbot, qasync_loop):
         qtbot.waitUntil(lambda: panel.block_map.snapshot is small.snapshot(), timeout=WAIT_MS)
         assert int(panel.counters.value("preemptions")) > 0
         assert panel.block_map.snapshot.used_blocks == 0
-        assert set(CATEGORY_NAMES) >= {m.category for m in map(
-            panel.block_map.cell_state, range(16))}
+        snap = panel.block_map.snapshot
+        drawn = [panel.block_map.cell_state(b).category for b in range(16)]
+        assert drawn == [expected_category(snap, b) for b in range(16)]
+        assert set(drawn) <= set(CATEGORY_NAMES) and "cached" in drawn  # finished prefixes
         legend = panel.legend_model
         assert {legend.index(r, SHARED).data() for r in range(legend.rowCount())} <= {"–"}
         bridge.shutdown()
     finally:
         small.stop()
+
+
+def test_the_timeline_keeps_the_last_60_seconds_of_real_snapshots(harness, qtbot, app_engine):
+    """Each snapshot adds one sample equal to its used / cached / shared blocks and tokens/s;
+    on a controlled clock, samples older than 60 s leave the drawn window."""
+    from app.monitor.timeline import WINDOW_S
+
+    panel = panel_of(harness)
+    timeline = panel.timeline
+    now = [5000.0]
+    timeline.clock = lambda: now[0]
+    timeline.samples.clear()
+    pane = harness.window.focused_pane
+    pane.session.set_settings(greedy(16, system=SYSTEM))
+    checks: list[tuple] = []
+
+    def check(snap) -> None:  # runs after the panel's own slot
+        s = timeline.samples.series()
+        c = snap.counters
+        used = sum(1 for r in snap.refcounts if r > 0)
+        cached = sum(1 for b in range(snap.num_blocks)
+                     if snap.refcounts[b] == 0 and snap.cached[b])
+        shared = sum(1 for r in snap.refcounts if r > 1)
+        checks.append(((s["t"][-1], s["used"][-1], s["cached"][-1], s["shared"][-1],
+                        s["rate"][-1]), (now[0], used, cached, shared, c.tokens_per_s)))
+        now[0] += 1.0  # one second between snapshots on the controlled clock
+
+    harness.bridge.snapshotUpdated.connect(check)
+    pane.send("Name three rivers.")
+    wait_idle(qtbot, pane)
+    qtbot.waitUntil(lambda: len(checks) >= 3, timeout=WAIT_MS)
+    harness.bridge.snapshotUpdated.disconnect(check)
+    for got, want in checks:
+        assert got == pytest.approx(want), (got, want)
+    assert any(w[1] > 0 for _, w in checks)  # it saw the chat's blocks
+    every = timeline.samples.series()["t"]
+    assert len(every) >= len(checks)
+    window = timeline.samples.series(since=now[0] - WINDOW_S)["t"]
+    assert list(window) == [t for t in every if t >= now[0] - WINDOW_S]
+    if every[0] < now[0] - WINDOW_S:  # a run longer than a minute: the oldest are out
+        assert 0 < len(window) < len(every) and window[0] >= now[0] - WINDOW_S
+    now[0] += WINDOW_S + 1
+    assert len(timeline.samples.series(since=now[0] - WINDOW_S)["t"]) == 0
+    timeline.repaint()  # paints an empty minute without error

@@ -1,0 +1,110 @@
+"""The batched sampler against the engine's former per-row sampler (tests/reference.py).
+
+Same logits, seeds and parameters must give exactly the same tokens and the same next keys,
+step after step, whatever the mix of greedy and sampled rows in the batch.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.config import SamplingParams
+from engine.sampling import SamplingRow, new_key, sample_rows
+from tests.reference import sample_next
+
+VOCAB = 4096
+
+MIX = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, seed=1),
+    SamplingParams(temperature=0.7, seed=2),  # same filters as the row above: one group
+    SamplingParams(temperature=1.3, top_p=0.9, seed=3),
+    SamplingParams(temperature=0.8, top_k=40, seed=4),
+    SamplingParams(temperature=0.9, min_p=0.05, seed=5),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3),
+    SamplingParams(temperature=1.0, top_p=0.95, top_k=50, min_p=0.02,
+                   repetition_penalty=1.2, seed=6),
+    SamplingParams(temperature=0.5, repetition_penalty=0.8, seed=7),
+]
+
+
+#: Tokens that stand out of every row's logits (as a real model's few likely tokens do), so
+#: the filters and the penalty decide the outcome.
+STRONG = [11, 222, 333, 444, 555, 666, 777, 888]
+
+
+def random_logits(rng: np.random.Generator, rows: int) -> mx.array:
+    x = rng.normal(0.0, 2.0, size=(rows, VOCAB)).astype(np.float32)
+    x[:, STRONG] += np.linspace(9.0, 6.0, len(STRONG), dtype=np.float32)
+    return mx.array(x)
+
+
+def history(rng: np.random.Generator) -> list[int]:
+    """Recent tokens with the strongest token just outside the penalty's 20-token window
+    and the second strongest inside it: the penalty's reach changes the greedy choice."""
+    tokens = rng.integers(1000, VOCAB, size=int(rng.integers(22, 40))).tolist()
+    tokens[-21] = STRONG[0]
+    tokens[-3] = STRONG[1]
+    return tokens
+
+
+def run_both(params: list[SamplingParams], steps: int, seed: int):
+    """Sample ``steps`` tokens per row both ways; returns (batched, per-row) token lists."""
+    rng = np.random.default_rng(seed)
+    histories = [history(rng) for _ in params]
+    ref_hist = [list(h) for h in histories]
+    keys = [None if p.greedy else new_key(p.seed, 0) for p in params]
+    ref_keys = list(keys)
+    got: list[list[int]] = [[] for _ in params]
+    want: list[list[int]] = [[] for _ in params]
+    for _ in range(steps):
+        logits = random_logits(rng, len(params))
+        rows = [SamplingRow(p, h, k) for p, h, k in zip(params, histories, keys)]
+        tokens, keys = sample_rows(logits, rows)
+        mx.eval(tokens, [k for k in keys if k is not None])
+        for i, t in enumerate(tokens.tolist()):
+            got[i].append(t)
+            histories[i].append(t)
+        for i, p in enumerate(params):
+            token, ref_keys[i] = sample_next(logits[i], p, ref_hist[i], ref_keys[i])
+            want[i].append(token.item())
+            ref_hist[i].append(want[i][-1])
+        for k, r in zip(keys, ref_keys):
+            assert (k is None) == (r is None)
+            if k is not None:
+                assert mx.array_equal(k, r).item()
+    return got, want
+
+
+def test_batched_tokens_equal_the_per_row_sampler_for_every_parameter_mix() -> None:
+    got, want = run_both(MIX, steps=6, seed=0)
+    assert got == want
+    assert got[0][0] != got[6][0]  # the penalty changed the greedy choice
+    sampled = [row for p, row in zip(MIX, got) if not p.greedy]
+    assert len({tuple(r) for r in sampled}) == len(sampled)  # the rows really drew apart
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_all_greedy_and_all_sampled_batches_match_too(seed: int) -> None:
+    greedy = [SamplingParams(temperature=0.0)] * 5
+    sampled = [SamplingParams(temperature=0.9, top_p=0.9, seed=s) for s in range(5)]
+    for params in (greedy, sampled):
+        got, want = run_both(params, steps=4, seed=seed)
+        assert got == want
+
+
+def test_a_row_draws_the_same_token_alone_or_inside_any_batch() -> None:
+    rng = np.random.default_rng(3)
+    logits = random_logits(rng, len(MIX))
+    history = list(range(1, 30))
+    target = 7  # the row with every filter and a penalty
+    alone, _ = sample_rows(logits[target : target + 1],
+                           [SamplingRow(MIX[target], history, new_key(MIX[target].seed, 0))])
+    for others in ([0, 1, 2], [3, 4, 5, 6, 8], list(range(len(MIX)))):
+        order = sorted(set(others) | {target})
+        rows = [SamplingRow(MIX[i], history, None if MIX[i].greedy else new_key(MIX[i].seed, 0))
+                for i in order]
+        tokens, _ = sample_rows(logits[mx.array(order)], rows)
+        assert tokens.tolist()[order.index(target)] == alone.item()
