@@ -1,4 +1,4 @@
-"""Engine benchmarks: every ARCHITECTURE.md section 8 metric the engine owns, side by side.
+"""Engine benchmarks: every docs/ARCHITECTURE.md §8 metric the engine owns, side by side.
 
     ./run.sh bench            (or: python -m bench.engine_bench [--quick] [--repeats N])
 

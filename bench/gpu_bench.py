@@ -1,5 +1,5 @@
 """GPU bench (MLX's CUDA backend): the engine against mlx-lm's ``batch_generate``, and paged
-attention alone, in one run. Written for the lent H200 (``../shared/GPU.md``); runs anywhere
+attention alone, in one run. Written for the lent H200 (``docs/GPU.md``); runs anywhere
 MLX runs (slowly on the CPU: ``--quick`` shrinks everything for a smoke run).
 
     python -m bench.gpu_bench [--quick] [--out bench/results/gpu.md]

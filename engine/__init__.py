@@ -1,6 +1,6 @@
 """PagedChat's inference engine: many chats on one paged KV pool, batched by one thread.
 
-The public API (ARCHITECTURE.md 3.6); other code uses only these names. No Qt here.
+The public API (docs/ARCHITECTURE.md §3.9); other code uses only these names. No Qt here.
 """
 
 from engine.config import (

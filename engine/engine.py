@@ -70,7 +70,7 @@ _STOP = object()
 
 
 class Engine:
-    """See ARCHITECTURE.md 3.6 for the contract; README.md shows its use."""
+    """See docs/ARCHITECTURE.md §3.9 for the contract; README.md shows its use."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()

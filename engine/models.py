@@ -84,7 +84,7 @@ def default_quantized() -> bool:
     """Whether the default model keeps its 4-bit weights on this machine.
 
     On Metal quantized matmuls are fast and the weights 5x smaller; on the CPU backend MLX's
-    quantized matmul is slow, and fp32 weights decode about twice as fast (FACTS.md).
+    quantized matmul is slow, and fp32 weights decode about twice as fast (docs/FACTS.md).
     """
     return bool(mx.metal.is_available())
 

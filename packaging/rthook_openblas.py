@@ -1,7 +1,7 @@
 """PyInstaller runtime hook (Linux bundle): restart once with Debian's OpenBLAS preloaded.
 
 Why: MLX's Linux CPU wheel links a slow reference BLAS; preloading the openmp variant of
-OpenBLAS makes its matmuls ~30x faster (FACTS.md; from source, scripts/env.sh does it). A
+OpenBLAS makes its matmuls ~30x faster (docs/FACTS.md; from source, scripts/env.sh does it). A
 preload must be in place before the process starts, so the frozen app re-executes itself
 once with LD_PRELOAD set, when the library is installed (``apt-get install
 libopenblas0-openmp``) and nothing is preloaded yet. Measured here with the frozen

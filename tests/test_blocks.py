@@ -1,5 +1,5 @@
 """Property tests of the block allocator: random allocate / append / fork / free / evict
-sequences, with every invariant of ARCHITECTURE.md 3.2 checked after each operation."""
+sequences, with every invariant of docs/ARCHITECTURE.md §3.2 checked after each operation."""
 
 from __future__ import annotations
 

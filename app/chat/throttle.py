@@ -1,7 +1,7 @@
 """One shared timer that paces the re-rendering of streaming replies for all panes.
 
 Tokens only append text and mark their message model dirty; the text is re-rendered when this
-timer fires, at most `MAX_HZ` times a second for all panes together (FACTS.md: apps that
+timer fires, at most `MAX_HZ` times a second for all panes together (docs/FACTS.md: apps that
 re-render markdown per token get slow). The timer runs only while something is dirty.
 """
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent GPU machine: install MLX's CUDA backend from the wheels carried in .whl/ (the
-# mlx-cuda-13 wheel split over two runs, ../shared/GPU.md) into /root/site, once per lease.
+# mlx-cuda-13 wheel split over two runs, docs/GPU.md) into /root/site, once per lease.
 # Usage (from the carried tree's root): source scripts/gpu/setup.sh WHEELS_DIR
 set -e
 WHL=${1:-.whl/b}
