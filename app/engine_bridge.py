@@ -34,7 +34,7 @@ from engine import (
 log = logging.getLogger(__name__)
 
 IDLE = "idle"  # the bridge's status before any engine was started; then an EngineStatus
-SNAPSHOT_INTERVAL_MS = 100  # 10 Hz is plenty for footers and the monitor (docs/ARCHITECTURE.md §3.8)
+SNAPSHOT_INTERVAL_MS = 100  # 10 Hz is plenty for footers and the monitor (docs §3.8)
 
 
 class EngineBridge(QObject):
