@@ -34,7 +34,7 @@ class DockFitter(QObject):
                 self._pending = "hide"
             elif new >= HIDE_BELOW and (self.auto_hidden or self._pending == "hide"):
                 self._pending = "show"
-            QTimer.singleShot(0, self.fit)
+            QTimer.singleShot(0, self, self.fit)
         return False
 
     def _visibility_changed(self, visible: bool) -> None:
@@ -42,7 +42,7 @@ class DockFitter(QObject):
             self.auto_hidden = False  # the user showed it: it stays, at any size
             if self._pending == "hide":
                 self._pending = None
-            QTimer.singleShot(0, self._cap)
+            QTimer.singleShot(0, self, self._cap)
 
     def fit(self) -> None:
         pending, self._pending = self._pending, None

@@ -386,7 +386,7 @@ class MainWindow(QMainWindow):
     # ---- layout persistence --------------------------------------------------------------
 
     def _save_soon(self) -> None:
-        QTimer.singleShot(0, self.save_layout)
+        QTimer.singleShot(0, self, self.save_layout)
 
     def save_layout(self) -> None:
         if self._closed:

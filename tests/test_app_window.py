@@ -125,7 +125,7 @@ def test_every_control_has_an_accessible_name(window, qtbot):
 
 
 def test_theme_switches_light_and_dark(window, qtbot):
-    from app.app_settings import AppSettings
+    from app.core.app_settings import AppSettings
 
     for theme, dark in (("dark", True), ("light", False)):
         with qtbot.waitSignal(theme_manager().changed):

@@ -157,9 +157,9 @@ def tiny_model_folder(folder, arch: str):
     import json
     import shutil
 
-    from engine.models import ensure_converted, locate_default_gguf
+    from engine.models import converted_folder, ensure_converted, locate_default_gguf
 
-    source = ensure_converted(locate_default_gguf(), quantized=False)
+    source = ensure_converted(locate_default_gguf(), converted_folder(False), quantized=False)
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
     config = {**COMMON, **CONFIGS[arch], "vocab_size": vocab}
     model_class, args_class = _get_classes(config)

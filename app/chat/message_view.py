@@ -70,7 +70,7 @@ class MessageListView(QListView):
             model.dataChanged.connect(self._content_changed)
             model.layoutChanged.connect(self._content_changed)
             self._stick = True
-            QTimer.singleShot(0, self.scrollToBottom)
+            QTimer.singleShot(0, self, self.scrollToBottom)  # cancelled if the view goes
 
     def chat_model(self) -> ChatMessageModel:
         return self.model()  # type: ignore[return-value]
@@ -263,7 +263,7 @@ class MessageListView(QListView):
 
     def _content_changed(self, *_args: object) -> None:
         if self._stick:
-            QTimer.singleShot(0, self.scrollToBottom)
+            QTimer.singleShot(0, self, self.scrollToBottom)  # cancelled if the view goes
 
     def resizeEvent(self, event) -> None:  # noqa: ANN001
         super().resizeEvent(event)

@@ -296,6 +296,7 @@ class ChatPane(QFrame):
             self._disconnect_session(self.session)
         if self.model is not None:
             self.model.detach()
+        self.view.setModel(None)  # the view stops listening to the model before both go
         for sig, slot in (
             (self.bridge.snapshotUpdated, self._on_snapshot),
             (self.bridge.statusChanged, self._update_footer),

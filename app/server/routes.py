@@ -36,6 +36,11 @@ SESSION_PREFIX = "API"
 MAX_USER_CHARS = 40
 
 
+# An over-long body is read this far (and dropped) so the client can read its 413.
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
+
+
+
 @dataclass
 class ServerOptions:
     """api_key: the bearer key every /v1 request must carry (compared in constant time).
@@ -151,17 +156,31 @@ async def _read_json(state: _State, request: Request) -> object:
                          code="request_too_large")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
+        await _drain(request)
         raise too_large
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
+            await _drain(request)
             raise too_large
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}",
                        code="invalid_json") from exc
+
+
+async def _drain(request: Request) -> None:
+    """Read (and drop) the rest of an over-long body, up to DRAIN_LIMIT_BYTES, before the 413.
+
+    Answering while the client is still sending makes the server close the connection under
+    it: the client then sees a broken pipe instead of the 413 that says what is wrong."""
+    drained = 0
+    async for chunk in request.stream():
+        drained += len(chunk)
+        if drained > DRAIN_LIMIT_BYTES:
+            return
 
 
 def _check_model(engine: Engine, state: _State, parsed: ParsedRequest) -> None:
