@@ -26,7 +26,13 @@ import mlx.core as mx
 from engine import attention
 from engine.admission import admit, apply_template
 from engine.blocks import BlockAllocator
-from engine.config import EngineConfig, SamplingParams, blocks_for_budget, check_top_k
+from engine.config import (
+    EngineConfig,
+    SamplingParams,
+    blocks_for_budget,
+    check_top_k,
+    overlap_steps,
+)
 from engine.errors import ModelLoadError
 from engine.events import EngineStatus, FinishReason, ModelInfo, PoolSnapshot
 from engine.handle import RequestHandle
@@ -297,7 +303,8 @@ class Engine:
                              set(loaded.tokenizer.eos_token_ids), self.max_context)
         prefill = PrefillBudget(cfg.prefill_chunk, MIN_PROMPT_TOKENS, cfg.prefill_target)
         self.stepper = StepRunner(self.scheduler, self.pool, self.paged_model, self.output,
-                                  self.telemetry, prefill, overlap=cfg.overlap)
+                                  self.telemetry, prefill,
+                                  overlap=overlap_steps(cfg, mx.default_device() == mx.gpu))
         self._loaded = loaded
         self.model_info = ModelInfo(
             name=loaded.name,

@@ -65,7 +65,8 @@ def app_engine():
     """One real engine (the embedded default model) per test module, ready to serve."""
     from engine import Engine, EngineConfig
 
-    engine = Engine(EngineConfig(model="default", kv_memory_mib=64.0, max_batch=8))
+    # overlap=True: the suite runs the overlapped step a GPU user gets (the CPU default is off)
+    engine = Engine(EngineConfig(model="default", kv_memory_mib=64.0, max_batch=8, overlap=True))
     engine.start()
     if not engine.wait_ready(600):
         pytest.fail(f"the default model did not load: {engine.load_error}")
