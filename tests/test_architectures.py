@@ -11,15 +11,11 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
+from engine.architecture import PROVEN_ARCHITECTURES, probe_kv_shape
 from engine.blocks import BlockAllocator, BlockTable
 from engine.kv_pool import KVPool
-from engine.model_adapter import (
-    PROVEN_ARCHITECTURES,
-    PagedModel,
-    SequenceWork,
-    build_step_batch,
-    probe_kv_shape,
-)
+from engine.model_adapter import PagedModel, build_step_batch
+from engine.work import SequenceWork
 
 VOCAB = 128
 COMMON = {
@@ -132,7 +128,7 @@ def test_load_time_check_accepts_a_compatible_architecture_and_flags_an_incompat
     a compatible architecture (starcoder2) agrees; gemma2, whose attention bypasses
     scaled_dot_product_attention (logit soft-capping), does not. Both sit far from the
     engine's fp32 threshold (1e-3): the Engine-level test below runs the real refusal."""
-    from engine.model_adapter import check_paged_matches
+    from engine.architecture import check_paged_matches
 
     CONFIGS.update(UNPROVEN)
     try:

@@ -291,8 +291,8 @@ def test_random_interleavings_keep_every_promise(world: World, ops: list[dict]) 
             _check_handle(world, record)
         if running:
             wait_until(lambda: engine.snapshot().used_blocks == 0, timeout=60)
-            wait_until(lambda: not engine.scheduler.has_work, timeout=60)
-            engine.alloc.check_invariants([])  # no table holds a block; bookkeeping agrees
+            wait_until(lambda: not engine.runtime.scheduler.has_work, timeout=60)
+            engine.runtime.alloc.check_invariants([])  # no table holds a block; bookkeeping agrees
     finally:
         if not running:
             engine.start()
