@@ -76,7 +76,8 @@ def check_paged_matches(model: nn.Module, shape: KVShape, block_size: int) -> fl
     """
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.blocks import BlockAllocator, BlockTable
+    from engine.block_table import BlockTable
+    from engine.blocks import BlockAllocator
 
     prompt = [(7 * i + 3) % 100 + 1 for i in range(2 * block_size + 3)]
     feeds = [prompt, [11], [12], [13]]

@@ -12,7 +12,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
 from engine.architecture import PROVEN_ARCHITECTURES, probe_kv_shape
-from engine.blocks import BlockAllocator, BlockTable
+from engine.block_invariants import check_invariants
+from engine.block_table import BlockTable
+from engine.blocks import BlockAllocator
 from engine.kv_pool import KVPool
 from engine.model_adapter import PagedModel, build_step_batch
 from engine.work import SequenceWork
@@ -85,7 +87,7 @@ def paged_logits(model, prompts: list[list[int]], continuations: list[list[int]]
     step(prompts)
     for t in range(DECODE_STEPS):
         step([[c[t]] for c in continuations])
-    alloc.check_invariants(tables)
+    check_invariants(alloc, tables)
     return outputs
 
 

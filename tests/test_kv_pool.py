@@ -8,7 +8,8 @@ import pytest
 
 from engine import blocks_for_budget
 from engine.architecture import probe_kv_shape
-from engine.blocks import BlockAllocator, BlockTable
+from engine.block_table import BlockTable
+from engine.blocks import BlockAllocator
 from engine.kv_pool import KVPool, KVShape
 from engine.model_adapter import PagedModel, build_step_batch
 from engine.work import SequenceWork
