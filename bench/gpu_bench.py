@@ -68,7 +68,7 @@ def make_model(shape: dict, dtype: mx.Dtype, vocab: int = VOCAB, seed: int = 0):
 
 
 def loaded_model(model, tokenizer, name: str, dtype: mx.Dtype):
-    from engine.models import LoadedModel
+    from engine.model_folder import LoadedModel
 
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=Path("."),
                        model_type="llama", max_context=8192, dtype=dtype)

@@ -20,7 +20,7 @@ import mlx.nn as nn
 from engine.errors import ModelLoadError
 from engine.kv_pool import KVPool, KVShape
 from engine.model_adapter import PagedModel, build_step_batch
-from engine.models import LoadedModel
+from engine.model_folder import LoadedModel
 from engine.work import SequenceWork
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from engine.events import ModelInfo
 from engine.kv_pool import KVPool
 from engine.memory import check_fits
 from engine.model_adapter import PagedModel
-from engine.models import LoadedModel, load_model
+from engine.model_folder import LoadedModel
+from engine.models import load_model
 from engine.output import Output
 from engine.prefill_budget import MIN_PROMPT_TOKENS, PrefillBudget
 from engine.scheduler import Scheduler

@@ -155,7 +155,8 @@ def tiny_model_folder(folder, arch: str):
     import json
     import shutil
 
-    from engine.models import converted_folder, ensure_converted, locate_default_gguf
+    from engine.default_model import converted_folder, locate_default_gguf
+    from engine.gguf_cache import ensure_converted
 
     source = ensure_converted(locate_default_gguf(), converted_folder(False), quantized=False)
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
