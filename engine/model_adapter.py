@@ -149,10 +149,9 @@ class PagedLayerCache:
         if self._kernel_ok is None:
             self._kernel_ok = False
             if self.use_kernel:
-                from engine import cuda_kernels, kernels
+                from engine.kernel_plans import supports
 
                 shape = self.pool.shape
-                supports = cuda_kernels.supports if mx.cuda.is_available() else kernels.supports
                 self._kernel_ok = supports(
                     num_heads, shape.num_kv_heads, shape.head_dim, self.pool.block_size,
                     shape.dtype,

@@ -67,7 +67,7 @@ def test_locators_find_files_in_a_frozen_linux_folder(
 ) -> None:
     """dist/PagedChat/PagedChat with its files under dist/PagedChat/_internal (_MEIPASS)."""
     from app.resources import app_icon_path, resource_path, resources_dir
-    from engine import default_model, kernels
+    from engine import default_model, kernel_plans
 
     internal = tmp_path / "PagedChat" / "_internal"
     gguf = _copy_shipped_files(internal)
@@ -76,7 +76,7 @@ def test_locators_find_files_in_a_frozen_linux_folder(
     assert resources_dir() == internal / "resources"
     assert resource_path("resources/dark.qss") == internal / "resources" / "dark.qss"
     assert app_icon_path() is not None and app_icon_path().parent == internal / "resources"
-    assert kernels._shaders_root() == internal
+    assert kernel_plans.shaders_root() == internal
     assert default_model.locate_default_gguf() == gguf
 
 
