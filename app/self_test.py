@@ -82,7 +82,7 @@ def check_resources() -> None:
     if missing:
         raise SelfTestError(f"resources missing: {', '.join(missing)}")
     try:
-        kernels.shader_sources()
+        kernels.KERNELS.sources()
     except (OSError, ValueError) as e:
         raise SelfTestError(f"the Metal shader {kernels.SHADER_PATH} is unusable: {e}") from e
 

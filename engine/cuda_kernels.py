@@ -22,14 +22,15 @@ import mlx.core as mx
 
 from engine.kernel_plans import (
     PARTITION_TOKENS,
-    KernelObjects,
+    KernelSet,
     KernelSource,
     Launch,
-    Ref,
     as_int32,
     checked_call,
-    parse_kernel_source,
+    partitions_for,
+    reduce_launch,
     shaders_root,
+    workers_for,
 )
 
 CUDA_SHADER_PATH = shaders_root() / "shaders" / "paged_attention.cu"
@@ -40,27 +41,10 @@ SHARED_BUDGET = 32768  # bytes of static shared memory for the cross-warp merge 
 SPLIT_BELOW_BLOCKS = 264  # fewer (sequence, KV head) blocks than 2 per SM of an H100/H200
 PREFILL_TOKENS_PER_BLOCK = 8  # most query tokens one block serves in a prefill chunk
 
-_SIGNATURES = {
-    "paged_attention": (
-        ("q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"),
-        ("out", "stats"),
-    ),
-    "paged_attention_reduce": (("part_out", "part_stats", "context_lens"), ("out",)),
-}
-
-#: The CUDA kernel objects (``mx.fast.cuda_kernel``, compiled by NVRTC), built once each.
-KERNELS = KernelObjects("cuda_kernel")
-
-
-def parse_cuda_source(text: str) -> dict[str, KernelSource]:
-    """Split the .cu file into its shared header and kernel bodies (at the marker lines)."""
-    return parse_kernel_source(text, _SIGNATURES, "CUDA source")
-
-
-@lru_cache(maxsize=1)
-def cuda_sources() -> dict[str, KernelSource]:
-    """The kernels of ``shaders/paged_attention.cu`` (read once)."""
-    return parse_cuda_source(CUDA_SHADER_PATH.read_text())
+#: The CUDA kernels (``mx.fast.cuda_kernel``, compiled by NVRTC) of the .cu file, whose
+#: ``// ==== header ====`` section is every kernel's header.
+KERNELS = KernelSet("cuda_kernel", CUDA_SHADER_PATH, "paged_attention", "paged_attention_reduce",
+                    "CUDA source")
 
 
 def available() -> bool:
@@ -101,20 +85,11 @@ def geometry(
         if split:
             raise ValueError("prefill chunks are not split into partitions")
         split = False
-    rows = qt * group
-    partitions = max(1, math.ceil(max_blocks * block_size / PARTITION_TOKENS))
-    if split is None:
-        split = batch * num_kv_heads < SPLIT_BELOW_BLOCKS
-    if not split:
-        partitions = 1
+    partitions = partitions_for(batch, num_kv_heads, block_size, max_blocks, split,
+                                SPLIT_BELOW_BLOCKS)
     if warps is None:
-        warps = MAX_WARPS
-        while warps > 1 and warps * rows * head_dim * 4 > SHARED_BUDGET:
-            warps //= 2
-        tokens = PARTITION_TOKENS if partitions > 1 else max_blocks * block_size
-        blocks = max(1, math.ceil(tokens / block_size))
-        while warps > 1 and warps > blocks:  # no idle warps
-            warps //= 2
+        warps = workers_for(partitions, MAX_WARPS, qt * group, head_dim, SHARED_BUDGET,
+                            block_size, max_blocks)
     return Geometry(warps, partitions, PARTITION_TOKENS if partitions > 1 else 0, qt)
 
 
@@ -142,7 +117,7 @@ def plan_attention(
     [num_blocks, block_size, num_kv_heads, head_dim]; block_tables int32 [B, max_blocks];
     context_lens int32 [B], each >= L. The whole pool arrays are passed.
     """
-    src = sources or cuda_sources()
+    src = sources or KERNELS.sources()
     shape, block_tables, context_lens = checked_call(q, k_pool, v_pool, block_tables,
                                                      context_lens)
     batch, num_heads, query_len = shape.batch, shape.num_heads, shape.query_len
@@ -182,15 +157,8 @@ def plan_attention(
     )
     if parts == 1:
         return [attend]
-    reduce = Launch(
-        kernel=src["paged_attention_reduce"],
-        inputs=(Ref(0, 0), Ref(0, 1), context_lens),
-        template=(("T", q.dtype), ("D", head_dim), ("PART", geo.partition_tokens)),
-        grid=(32, num_heads, batch),
-        threadgroup=(32, 1, 1),
-        output_shapes=((batch, num_heads, 1, head_dim),),
-        output_dtypes=(q.dtype,),
-    )
+    reduce = reduce_launch(src["paged_attention_reduce"], shape, context_lens, q.dtype,
+                           geo.partition_tokens)
     return [attend, reduce]
 
 

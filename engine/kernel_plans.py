@@ -12,6 +12,7 @@ each kernel object once, and running a plan.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Mapping
@@ -70,6 +71,17 @@ class Launch:
 
 
 Signatures = Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]
+
+
+def attention_signatures(attend: str, reduce: str) -> Signatures:
+    """Both backends' two kernels take the same arguments: the attention kernel reads the
+    pool and writes outputs (with per-partition softmax stats); the reduce kernel merges
+    the partitions of a split-K launch."""
+    return {
+        attend: (("q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"),
+                 ("out", "stats")),
+        reduce: (("part_out", "part_stats", "context_lens"), ("out",)),
+    }
 
 
 def parse_kernel_source(text: str, signatures: Signatures, what: str) -> dict[str, KernelSource]:
@@ -163,16 +175,76 @@ def as_int32(a: mx.array) -> mx.array:
     return a if a.dtype == mx.int32 else a.astype(mx.int32)
 
 
-class KernelObjects:
-    """The ``mx.fast`` kernel object of each kernel source, built once per process (MLX
-    then compiles one pipeline or module per template instantiation, i.e. per shape family,
-    and caches it). ``factory`` names the ``mx.fast`` builder: ``metal_kernel`` or
-    ``cuda_kernel``; it is looked up when first needed, so building plans needs neither."""
+def partitions_for(batch: int, num_kv_heads: int, block_size: int, max_blocks: int,
+                   split: bool | None, split_below: int) -> int:
+    """How many ``PARTITION_TOKENS`` partitions a context is split into (split-K).
 
-    def __init__(self, factory: str) -> None:
+    ``split=None`` splits when the context can exceed one partition and fewer than
+    ``split_below`` (sequence, KV head) groups would leave the GPU under-filled; True/False
+    force it (a context that fits one partition is never split)."""
+    if split is None:
+        split = batch * num_kv_heads < split_below
+    if not split:
+        return 1
+    return max(1, math.ceil(max_blocks * block_size / PARTITION_TOKENS))
+
+
+def workers_for(partitions: int, most: int, rows: int, head_dim: int, budget: int,
+                block_size: int, max_blocks: int) -> int:
+    """Simdgroups (Metal) or warps (CUDA) per group: at most ``most``, halved until the
+    cross-worker merge of ``rows`` fp32 rows of ``head_dim`` fits ``budget`` bytes of
+    shared memory and no worker is left without a block of its partition to read."""
+    workers = most
+    while workers > 1 and workers * rows * head_dim * 4 > budget:
+        workers //= 2
+    tokens = PARTITION_TOKENS if partitions > 1 else max_blocks * block_size
+    blocks = max(1, math.ceil(tokens / block_size))
+    while workers > 1 and workers > blocks:  # no idle workers
+        workers //= 2
+    return workers
+
+
+def reduce_launch(kernel: KernelSource, shape: CallShape, context_lens: mx.array, dtype,
+                  partition_tokens: int) -> Launch:
+    """The split-K reduce: merges output 0 and 1 (outputs, softmax stats) of the plan's first
+    launch into one [B, H, 1, D] output of ``dtype``; one 32-thread group per (sequence,
+    head)."""
+    return Launch(
+        kernel=kernel,
+        inputs=(Ref(0, 0), Ref(0, 1), context_lens),
+        template=(("T", dtype), ("D", shape.head_dim), ("PART", partition_tokens)),
+        grid=(32, shape.num_heads, shape.batch),
+        threadgroup=(32, 1, 1),
+        output_shapes=((shape.batch, shape.num_heads, 1, shape.head_dim),),
+        output_dtypes=(dtype,),
+    )
+
+
+class KernelSet:
+    """One backend's kernels: its shader file, parsed once, and the ``mx.fast`` kernel object
+    of each kernel, built once per process (MLX then compiles one pipeline or module per
+    template instantiation, i.e. per shape family, and caches it). ``factory`` names the
+    ``mx.fast`` builder, ``metal_kernel`` or ``cuda_kernel``; it is looked up when first
+    needed, so planning (and the CPU emulation of a plan) needs neither backend."""
+
+    def __init__(self, factory: str, path: Path, attend: str, reduce: str, what: str) -> None:
         self.factory = factory
+        self.path = path
+        self.signatures = attention_signatures(attend, reduce)
+        self.what = what
+        self._sources: dict[str, KernelSource] | None = None
         self._lock = threading.Lock()
         self._objects: dict[KernelSource, object] = {}
+
+    def parse(self, text: str) -> dict[str, KernelSource]:
+        """The kernels of ``text``, a version of the shader file (tests plant mutants)."""
+        return parse_kernel_source(text, self.signatures, self.what)
+
+    def sources(self) -> dict[str, KernelSource]:
+        """The kernels of the shader file (read once)."""
+        if self._sources is None:
+            self._sources = self.parse(self.path.read_text())
+        return self._sources
 
     def get(self, kernel: KernelSource):
         obj = self._objects.get(kernel)

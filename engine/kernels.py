@@ -16,7 +16,6 @@ kernel (no reduce pass when there is a single partition).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -24,13 +23,14 @@ import mlx.core as mx
 
 from engine.kernel_plans import (
     PARTITION_TOKENS,
-    KernelObjects,
+    KernelSet,
     KernelSource,
     Launch,
-    Ref,
     checked_call,
-    parse_kernel_source,
+    partitions_for,
+    reduce_launch,
     shaders_root,
+    workers_for,
 )
 
 SHADER_PATH = shaders_root() / "shaders" / "paged_attention.metal"
@@ -39,27 +39,8 @@ SPLIT_BELOW_THREADGROUPS = 128  # fewer (sequence, KV head) pairs than this: GPU
 MAX_SIMDGROUPS = 4  # simdgroups (of 32 threads) per threadgroup
 TG_MEMORY_BUDGET = 16384  # bytes of threadgroup memory for the cross-simdgroup merge
 
-_SIGNATURES = {
-    "paged_decode": (
-        ("q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"),
-        ("out", "stats"),
-    ),
-    "paged_decode_reduce": (("part_out", "part_stats", "context_lens"), ("out",)),
-}
-
-#: The Metal kernel objects (``mx.fast.metal_kernel``), built once each.
-KERNELS = KernelObjects("metal_kernel")
-
-
-def parse_shader(text: str) -> dict[str, KernelSource]:
-    """Split the shader file at its ``// ==== kernel: NAME ====`` lines into kernel bodies."""
-    return parse_kernel_source(text, _SIGNATURES, "shader")
-
-
-@lru_cache(maxsize=1)
-def shader_sources() -> dict[str, KernelSource]:
-    """The kernel bodies of ``shaders/paged_attention.metal`` (read once)."""
-    return parse_shader(SHADER_PATH.read_text())
+#: The Metal kernels (``mx.fast.metal_kernel``) of the shader file.
+KERNELS = KernelSet("metal_kernel", SHADER_PATH, "paged_decode", "paged_decode_reduce", "shader")
 
 
 @dataclass(frozen=True)
@@ -86,19 +67,11 @@ def decode_geometry(
     ``batch * num_kv_heads`` threadgroups would leave the GPU under-filled; True/False force it
     (a context that fits one partition is never split). ``simdgroups`` overrides the choice.
     """
-    partitions = max(1, math.ceil(max_blocks * block_size / PARTITION_TOKENS))
-    if split is None:
-        split = batch * num_kv_heads < SPLIT_BELOW_THREADGROUPS
-    if not split:
-        partitions = 1
+    partitions = partitions_for(batch, num_kv_heads, block_size, max_blocks, split,
+                                SPLIT_BELOW_THREADGROUPS)
     if simdgroups is None:
-        simdgroups = MAX_SIMDGROUPS
-        while simdgroups > 1 and simdgroups * group * head_dim * 4 > TG_MEMORY_BUDGET:
-            simdgroups //= 2
-        tokens = PARTITION_TOKENS if partitions > 1 else max_blocks * block_size
-        blocks = max(1, math.ceil(tokens / block_size))
-        while simdgroups > 1 and simdgroups > blocks:  # no idle simdgroups
-            simdgroups //= 2
+        simdgroups = workers_for(partitions, MAX_SIMDGROUPS, group, head_dim, TG_MEMORY_BUDGET,
+                                 block_size, max_blocks)
     return DecodeGeometry(simdgroups, partitions, PARTITION_TOKENS if partitions > 1 else 0)
 
 
@@ -126,7 +99,7 @@ def plan_decode(
     context_lens [B] (each >= 1). The whole pool arrays are passed (a sliced view would be
     copied by ``ensure_row_contiguous``).
     """
-    src = sources or shader_sources()
+    src = sources or KERNELS.sources()
     if q.ndim != 4 or q.shape[2] != 1:
         raise ValueError(f"q must be [B, H, 1, D], got {q.shape}")
     shape, block_tables, context_lens = checked_call(q, k_pool, v_pool, block_tables,
@@ -161,15 +134,8 @@ def plan_decode(
     )
     if parts == 1:
         return [decode]
-    reduce = Launch(
-        kernel=src["paged_decode_reduce"],
-        inputs=(Ref(0, 0), Ref(0, 1), context_lens),
-        template=(("T", q.dtype), ("D", head_dim), ("PART", geo.partition_tokens)),
-        grid=(32, num_heads, batch),
-        threadgroup=(32, 1, 1),
-        output_shapes=((batch, num_heads, 1, head_dim),),
-        output_dtypes=(q.dtype,),
-    )
+    reduce = reduce_launch(src["paged_decode_reduce"], shape, context_lens, q.dtype,
+                           geo.partition_tokens)
     return [decode, reduce]
 
 

@@ -250,7 +250,7 @@ def mutated_sources(mutant: str) -> dict:
     old, new, _ = MUTANTS[mutant]
     text = cuda_kernels.CUDA_SHADER_PATH.read_text()
     assert text.count(old) == 1, f"mutation site of {mutant!r} not found exactly once"
-    return cuda_kernels.parse_cuda_source(text.replace(old, new))
+    return cuda_kernels.KERNELS.parse(text.replace(old, new))
 
 
 def plan_case(case, sources=None) -> list:

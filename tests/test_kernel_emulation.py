@@ -311,7 +311,7 @@ def mutated_sources(mutant: str) -> dict[str, kernel_plans.KernelSource]:
     m = MUTANTS[mutant]
     text = kernels.SHADER_PATH.read_text()
     assert text.count(m.old) == 1, f"mutation site of {mutant!r} not found exactly once"
-    return kernels.parse_shader(text.replace(m.old, m.new))
+    return kernels.KERNELS.parse(text.replace(m.old, m.new))
 
 
 @pytest.fixture(scope="module")
