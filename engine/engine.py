@@ -53,7 +53,7 @@ class Engine:
         self._ready = threading.Event()
         self._ids = itertools.count(1)
         # Guards the inbox's open/closed state and the live request ids, so a submit either
-        # lands before stop()'s _STOP (and is answered by the thread) or sees it closed.
+        # lands before stop()'s inbox.STOP (and is answered by the thread) or sees it closed.
         self._lock = threading.Lock()
         self._open = False
         self._started = False
