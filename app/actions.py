@@ -69,10 +69,10 @@ ACTIONS: tuple[ActionSpec, ...] = (
     ActionSpec("rename", "&Rename Chat…", "rename_focused_chat", shortcut=("F2",),
                menu=("&Edit", 0)),
     ActionSpec("delete", "&Delete Chat…", "delete_focused_chat", menu=("&Edit", 0)),
-    ActionSpec("settings", "&Settings…", "open_settings", shortcut=(SK.Preferences, "Ctrl+,"),
+    ActionSpec("settings", "&Settings…", "settings_flow.open", shortcut=(SK.Preferences, "Ctrl+,"),
                icon="settings", menu=("&Edit", 1), icon_text="Settings",
                role=Role.PreferencesRole),
-    ActionSpec("providers", "&Providers…", "open_settings", kwargs={"tab": "providers"},
+    ActionSpec("providers", "&Providers…", "settings_flow.open", kwargs={"tab": "providers"},
                tip="Remote OpenAI-compatible servers a chat can talk to", menu=("&Edit", 1)),
     ActionSpec("send_all", "Send to &All Panes", "toggle_compare",
                shortcut=("Ctrl+Shift+Return",), icon="send-all",
@@ -100,7 +100,7 @@ ACTIONS: tuple[ActionSpec, ...] = (
                shortcut=("Ctrl+Shift+M",), icon="monitor", menu=("&View", 1),
                icon_text="Monitor"),
     *(
-        ActionSpec(f"theme_{value}", label, "set_theme", args=(value,),
+        ActionSpec(f"theme_{value}", label, "settings_flow.set_theme", args=(value,),
                    menu=("&View/&Theme", 0), checkable=True, exclusive="theme")
         for value, label in THEMES
     ),

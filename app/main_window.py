@@ -1,16 +1,14 @@
 """The main window: conversation sidebar | one to four chat panes | KV monitor dock.
 
 It opens chats in panes (the pane deck, app/pane_deck.py), runs the commands of its action
-table (app/actions.py), shows the engine's loading and error states (app/banners.py), applies
-settings (restarting the engine when the model or pool changes, open chats survive), and
+table (app/actions.py), shows the engine's loading and error states (app/banners.py), hands
+settings to their flow (app/settings_flow.py: saved, applied, the engine restarted), and
 saves/restores its layout. Chat behaviour itself lives in ChatSession; this class wires.
 It is also the monitor's view of the chats (app/monitor/chats.py's Chats protocol).
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import sys
 from typing import Any
 
@@ -18,7 +16,6 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QColor
 from PySide6.QtWidgets import (
     QApplication,
-    QDialog,
     QMainWindow,
     QMessageBox,
     QSplitter,
@@ -32,22 +29,18 @@ from app.banners import CompareBar, EngineBanner, ModelButton, PoolLabel
 from app.chat.pane import ChatPane
 from app.chat.session import ChatSession, SessionManager
 from app.confirm import confirm_destructive
-from app.core import secrets
 from app.core.app_settings import AppSettings
-from app.core.generation_defaults import model_defaults
 from app.core.providers import ProviderRegistry
-from app.core.records import ChatSettings
 from app.dock_fit import DockFitter
 from app.monitor import create_monitor_dock
 from app.pane_deck import MAX_PANES, PaneDeck
 from app.qt_util import from_b64, to_b64
 from app.remote_bridge import RemoteBridge
 from app.server_panel import ServerPanel
-from app.settings_dialog import SettingsDialog
+from app.settings_flow import SettingsFlow
 from app.sidebar import Sidebar
 from app.storage_banner import attach_storage_banner
 from app.theme import theme_manager
-from engine import SamplingParams
 
 LAYOUT_KEY = "window_layout"
 APP_NAME = "PagedChat"
@@ -73,7 +66,8 @@ class MainWindow(QMainWindow):
         self.registry = ProviderRegistry(store)
         self.remote = RemoteBridge(self.registry, self)
         self.manager = SessionManager(store, bridge, self, remote=self.remote)
-        self._apply_default_chat_settings()
+        self.settings_flow = SettingsFlow(self)
+        self.settings_flow.apply_default_chat_settings()
         self._quitting = False
         self._closed = False
         self.setUnifiedTitleAndToolBarOnMac(True)
@@ -83,14 +77,14 @@ class MainWindow(QMainWindow):
         self.theme_actions = {v: self.actions_by_key[f"theme_{v}"] for v, _ in THEMES}
         self.theme_actions.get(self.settings.theme, self.theme_actions["system"]).setChecked(True)
         self.model_button = ModelButton()
-        self.model_button.clicked.connect(self.open_settings)
+        self.model_button.clicked.connect(lambda: self.settings_flow.open())
         self.toolbar = build_toolbar(self, self.actions_by_key, self.model_button)
         self._wire()
         self.server_panel = ServerPanel(self, store, bridge)
         self.server_panel.install()
         self.restore_layout()
         self.dock_fitter = DockFitter(self, self.monitor_dock)
-        self._on_status(bridge.status)
+        self.settings_flow.show_status(bridge.status)
 
     # ---- construction --------------------------------------------------------------------
 
@@ -138,11 +132,11 @@ class MainWindow(QMainWindow):
         self.sidebar.model.renameRequested.connect(self.manager.rename)
         self.manager.conversationsChanged.connect(self._conversations_changed)
         self.manager.busyChanged.connect(self.sidebar.model.set_busy)
-        self.bridge.statusChanged.connect(self._on_status)
+        self.bridge.statusChanged.connect(self.settings_flow.show_status)
         self.bridge.snapshotUpdated.connect(self.pool_label.show_snapshot)
-        self.bridge.modelReady.connect(self._apply_default_chat_settings)
-        self.banner.settingsRequested.connect(self.open_settings)
-        self.banner.retryRequested.connect(self.restart_engine)
+        self.bridge.modelReady.connect(self.settings_flow.apply_default_chat_settings)
+        self.banner.settingsRequested.connect(self.settings_flow.open)
+        self.banner.retryRequested.connect(self.settings_flow.restart_engine)
         self.compare_bar.submitted.connect(self._compare_submit)
         theme_manager().changed.connect(self._theme_changed)
         self.deck.focusChanged.connect(self._pane_focused)
@@ -302,72 +296,7 @@ class MainWindow(QMainWindow):
             "from one engine whose KV caches share a paged block pool.",
         )
 
-    # ---- engine status and settings ------------------------------------------------------
-
-    def _on_status(self, status: str) -> None:
-        name = self.settings.model_label()
-        self.banner.show_status(status, name, self.bridge.load_error)
-        self.model_button.show_status(status, name, self.bridge.model_info)
-
-    def open_settings(self, tab: str | None = None) -> None:
-        dialog = SettingsDialog(self.settings, self, registry=self.registry)
-        self.settings_dialog = dialog  # tests drive the open dialog
-        if tab == "providers" and dialog.providers_page is not None:
-            dialog.tabs.setCurrentWidget(dialog.providers_page)
-        if dialog.exec() == QDialog.DialogCode.Accepted:
-            self.apply_settings(dialog.value(), token_changed=dialog.token_changed)
-
-    def apply_settings(self, new: AppSettings, token_changed: bool = False) -> bool:
-        """Save settings; restart the engine if the model or pool changed. False if invalid."""
-        problem = new.validate()
-        if problem:
-            QMessageBox.warning(self, "Settings", problem)
-            return False
-        old_key = self.settings.engine_key()
-        self.settings = new
-        new.save(self.store)
-        self._apply_default_chat_settings()
-        theme_manager().apply(new.theme)
-        self.theme_actions[new.theme].setChecked(True)
-        if new.engine_key() != old_key or (token_changed and new.model_kind == "hf"):
-            self.restart_engine()
-        return True
-
-    def _apply_default_chat_settings(self, *_args: object) -> None:
-        """New chats sample as the user set in Settings, else as the loaded model asks."""
-        sampling = self.settings.default_sampling
-        source = "your defaults (Settings)"
-        if sampling == SamplingParams():  # never changed by the user
-            info = self.bridge.model_info
-            sampling, source = model_defaults(getattr(info, "path", "") if info else "")
-        previous = self.manager.default_settings.sampling
-        self.manager.default_settings = ChatSettings(
-            system_prompt=self.settings.default_system_prompt, sampling=sampling
-        )
-        self.manager.default_source = source
-        for session in self.manager.sessions.values():  # empty chats made before the model
-            if not session.tree.by_id and session.settings.sampling == previous != sampling:
-                session.set_settings(dataclasses.replace(session.settings, sampling=sampling))
-
-    def set_theme(self, theme: str) -> None:
-        self.settings.theme = theme
-        saved = AppSettings.load(self.store)  # not this run's --model/--kv overrides
-        saved.theme = theme
-        saved.save(self.store)
-        theme_manager().apply(theme)
-        self.theme_actions[theme].setChecked(True)
-
-    def restart_engine(self) -> None:
-        """Stop the engine and start one for the current settings; chats stay open."""
-        self.manager.interrupt_all()
-        secrets.export_hf_token()
-        try:
-            config = self.settings.engine_config()
-        except ValueError as exc:
-            self.banner.show_error(str(exc))
-            return
-        self.banner.show_loading(self.settings.model_label())
-        asyncio.ensure_future(self.bridge.restart(config))
+    # ---- theme and chats list ------------------------------------------------------------
 
     def _theme_changed(self, _dark: bool) -> None:
         refresh_icons(self.actions_by_key)

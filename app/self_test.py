@@ -7,7 +7,7 @@ self-test runs the same code paths a user's first launch runs, without a display
 touching the user's chats:
 
 1. resources: the app icon, both themes and the Metal shader source are found through the
-   resource locators (app/resources.py, engine/kernels.py) and the shader parses;
+   resource locators (app/resources.py, engine/kernel_plans.py) and the shader parses;
 2. engine: the default model loads (converted into the cache folder on first use) and the
    paged engine answers a fixed question greedily through the public ``engine`` API;
 3. window: the real main window opens off screen on a throw-away data folder, its engine
@@ -82,7 +82,7 @@ def check_resources() -> None:
     if missing:
         raise SelfTestError(f"resources missing: {', '.join(missing)}")
     try:
-        kernels.shader_sources()
+        kernels.KERNELS.sources()
     except (OSError, ValueError) as e:
         raise SelfTestError(f"the Metal shader {kernels.SHADER_PATH} is unusable: {e}") from e
 

@@ -30,7 +30,8 @@ from mlx_lm.models.cache import BatchKVCache
 
 from bench.workload import SYSTEM_PROMPT, conversation, make_sessions
 from engine import Engine, EngineConfig, SamplingParams
-from engine.blocks import BlockAllocator, BlockTable, NoFreeBlocksError
+from engine.block_table import BlockTable, NoFreeBlocksError
+from engine.blocks import BlockAllocator
 from engine.models import load_model
 
 RESULTS = Path(__file__).parent / "results"

@@ -68,7 +68,7 @@ def make_model(shape: dict, dtype: mx.Dtype, vocab: int = VOCAB, seed: int = 0):
 
 
 def loaded_model(model, tokenizer, name: str, dtype: mx.Dtype):
-    from engine.models import LoadedModel
+    from engine.model_folder import LoadedModel
 
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=Path("."),
                        model_type="llama", max_context=8192, dtype=dtype)
@@ -79,10 +79,10 @@ PREFILL_CHUNK = 2048  # prompt tokens per engine step (the app's default is 256)
 
 def start_engine(loaded, max_batch: int, kv_mib: float, attention_mode: str = "auto"):
     """An Engine serving ``loaded`` (its loader is pointed at the in-memory model)."""
-    import engine.engine as engine_module
+    import engine.loading as loading
     from engine import Engine, EngineConfig
 
-    engine_module.load_model = lambda spec, quantized=None: loaded
+    loading.load_model = lambda spec, quantized=None: loaded
     eng = Engine(EngineConfig(kv_memory_mib=kv_mib, block_size=BLOCK_SIZE,
                               max_batch=max_batch, attention=attention_mode,
                               prefill_chunk=PREFILL_CHUNK))
@@ -101,7 +101,7 @@ class StepProfile:
     PARTS = ("schedule", "build", "forward", "sample", "bookkeeping")
 
     def __init__(self, eng) -> None:
-        self.stepper = stepper = eng.stepper
+        self.stepper = stepper = eng.runtime.stepper
         self.totals = dict.fromkeys(("step", *self.PARTS), 0.0)
         self.steps = 0
         real_step = stepper.step

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                     plan = kernels.plan_decode(
                         q, k_pool, v_pool, tables, lens, scale, split=split, simdgroups=nsg
                     )
-                    paged = kernels.run_plan(plan)[-1][0]
+                    paged = kernels.KERNELS.run(plan)[-1][0]
                     err = mx.max(
                         mx.abs(paged.astype(mx.float32) - contig.astype(mx.float32))
                     ).item()
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                             kernels.paged_decode_kernel(q, kp, vp, t, n, scale)
                         )
                     else:
-                        fn = lambda plan=plan: kernels.run_plan(plan)[-1][0]  # noqa: E731
+                        fn = lambda plan=plan: kernels.KERNELS.run(plan)[-1][0]  # noqa: E731
                     t_paged = timed(fn, args.iters)
                     template = dict(plan[0].template)
                     geometry = f"sg{template['NSG']} p{plan[0].output_shapes[0][2]}"

@@ -12,54 +12,18 @@ token's K/V goes to. Three things make the pool go further than one rectangle pe
 * **fork / copy-on-write**: a forked sequence shares all its parent's blocks; the first write
   into a shared partial block copies it first (the copy itself is the pool's job: the
   allocator returns the (src, dst) pairs).
+
+The tables themselves are in engine/block_table.py, the prefix cache's hash index in
+engine/prefix_index.py, and the invariants the tests check in engine/block_invariants.py.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 
-#: A token whose slot is reserved while its value is still being computed (an overlapped
-#: step feeds the previous step's sampled token before the host has read it). A block
-#: holding one is not hashed until :meth:`BlockAllocator.resolve_pending` fills it in.
-PENDING = -1
-
-
-class NoFreeBlocksError(RuntimeError):
-    """The pool has no free or evictable block left (the scheduler preempts on this)."""
-
-
-@dataclass(eq=False)
-class BlockTable:
-    """One sequence's blocks and the tokens whose slots it holds, in order.
-
-    ``num_computed`` tokens have their K/V in the pool; the rest have slots reserved for the
-    step that is about to run.
-    """
-
-    owner: str
-    blocks: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    hashes: list[int] = field(default_factory=list)  # chain hash of each full block
-    num_offered_to_cache: int = 0  # leading full blocks already offered to the prefix cache
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-
-def _chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    return hash((parent, tuple(tokens)))
-
-
-@dataclass(frozen=True)
-class AppendResult:
-    """Where the appended tokens' K/V go, and the block copies to run first (copy-on-write)."""
-
-    slots: list[tuple[int, int]]  # (block id, offset in block), one per appended token
-    copies: list[tuple[int, int]]  # (src block, dst block)
+from engine.block_table import PENDING, AppendResult, BlockTable, NoFreeBlocksError, chain_hash
+from engine.prefix_index import PrefixIndex
 
 
 class BlockAllocator:
@@ -71,15 +35,11 @@ class BlockAllocator:
         self._refcount = [0] * num_blocks
         self._fill = [0] * num_blocks
         self._tokens: list[tuple[int, ...]] = [()] * num_blocks
-        self._hash: list[int | None] = [None] * num_blocks
         self._holders: list[dict[str, int]] = [{} for _ in range(num_blocks)]
         self._owners: list[tuple[str, ...]] = [()] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._by_hash: dict[int, int] = {}
-        # Full blocks whose slots are reserved but not yet computed, by content hash: a prompt
-        # that would reuse them waits one step instead of computing them a second time.
-        self._pending: Counter[int] = Counter()
+        self.prefix_index = PrefixIndex(num_blocks)  # named and pending full blocks, by hash
         self._unresolved: set[int] = set()  # blocks holding a PENDING token
         self.prefix_hits = 0  # full blocks reused from the cache
         self.prefix_queries = 0  # full prompt blocks looked up
@@ -122,8 +82,8 @@ class BlockAllocator:
         parent: int | None = None
         for i in range(eligible):
             chunk = tuple(prompt[i * bs : (i + 1) * bs])
-            h = _chain_hash(parent, chunk)
-            block = self._by_hash.get(h)
+            h = chain_hash(parent, chunk)
+            block = self.prefix_index.block_for(h)
             if block is None or self._tokens[block] != chunk:
                 break
             self._evictable.pop(block, None)
@@ -151,7 +111,7 @@ class BlockAllocator:
         if (i + 1) * bs > len(prompt) - 1:
             return False
         parent = table.hashes[-1] if table.hashes else None
-        return _chain_hash(parent, prompt[i * bs : (i + 1) * bs]) in self._pending
+        return self.prefix_index.is_pending(chain_hash(parent, prompt[i * bs : (i + 1) * bs]))
 
     # ---- growth -----------------------------------------------------------------------------
 
@@ -212,9 +172,9 @@ class BlockAllocator:
             chunk = table.tokens[i * bs : (i + 1) * bs]
             if PENDING in chunk:
                 break
-            parent = _chain_hash(parent, chunk)
+            parent = chain_hash(parent, chunk)
             table.hashes.append(parent)
-            self._pending[parent] += 1
+            self.prefix_index.pend(parent)
 
     def mark_computed(self, table: BlockTable) -> None:
         """Record that every reserved slot of ``table`` now holds its K/V, and name each newly
@@ -222,13 +182,10 @@ class BlockAllocator:
         table.num_computed = table.num_tokens
         for i in range(table.num_offered_to_cache, len(table.hashes)):
             h = table.hashes[i]
-            self._unpend(h)
-            block = table.blocks[i]
+            self.prefix_index.unpend(h)
             # A block with the same content may already be cached (two chats computed the
-            # same prefix at once): keep that one named; this one stays private.
-            if self._hash[block] is None and h not in self._by_hash:
-                self._hash[block] = h
-                self._by_hash[h] = block
+            # same prefix at once): that one stays named; this one stays private.
+            self.prefix_index.name(table.blocks[i], h)
         table.num_offered_to_cache = len(table.hashes)
 
     # ---- sharing ----------------------------------------------------------------------------
@@ -244,7 +201,7 @@ class BlockAllocator:
             num_offered_to_cache=table.num_offered_to_cache,
         )
         for h in child.hashes[child.num_offered_to_cache :]:
-            self._pending[h] += 1
+            self.prefix_index.pend(h)
         for block in child.blocks:
             self._hold(block, child.owner)
         return child
@@ -252,7 +209,7 @@ class BlockAllocator:
     def free(self, table: BlockTable) -> None:
         """Release every block of ``table``; cached (hashed) blocks stay reusable in the LRU."""
         for h in table.hashes[table.num_offered_to_cache :]:
-            self._unpend(h)
+            self.prefix_index.unpend(h)
         for block in reversed(table.blocks):
             self._release(block, table.owner)
         table.blocks.clear()
@@ -270,7 +227,7 @@ class BlockAllocator:
         return self._fill[block]
 
     def is_cached(self, block: int) -> bool:
-        return self._hash[block] is not None
+        return self.prefix_index.is_named(block)
 
     def block_tokens(self, block: int) -> tuple[int, ...]:
         return self._tokens[block]
@@ -281,65 +238,25 @@ class BlockAllocator:
             tuple(self._owners),
             tuple(self._refcount),
             tuple(self._fill),
-            tuple(h is not None for h in self._hash),
+            self.prefix_index.named_flags(),
             tuple(self._tokens) if not self._unresolved else tuple(
                 tuple(t for t in tokens if t != PENDING) if b in self._unresolved else tokens
                 for b, tokens in enumerate(self._tokens)
             ),
         )
 
-    def check_invariants(self, tables: Iterable[BlockTable]) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent with ``tables``."""
-        tables = list(tables)
-        counts = [0] * self.num_blocks
-        for t in tables:
-            assert len(set(t.blocks)) == len(t.blocks), "a table holds a block twice"
-            assert len(t.blocks) == -(-t.num_tokens // self.block_size), "table size mismatch"
-            assert t.num_computed <= t.num_tokens
-            for i, block in enumerate(t.blocks):
-                counts[block] += 1
-                expect = tuple(t.tokens[i * self.block_size : (i + 1) * self.block_size])
-                assert self._tokens[block] == expect, f"block {block} content mismatch"
-        assert counts == self._refcount, "refcounts differ from the tables holding blocks"
-        pending: Counter[int] = Counter()
-        for t in tables:
-            known = t.tokens.index(PENDING) if PENDING in t.tokens else t.num_tokens
-            assert len(t.hashes) == known // self.block_size, "missing block hashes"
-            assert t.num_offered_to_cache <= len(t.hashes)
-            pending.update(t.hashes[t.num_offered_to_cache :])
-        assert pending == self._pending, "pending-block index differs from the tables"
-        free = set(self._free)
-        assert len(free) == len(self._free), "free list holds a block twice"
-        evictable = set(self._evictable)
-        for block in range(self.num_blocks):
-            referenced = self._refcount[block] > 0
-            states = (block in free) + (block in evictable) + referenced
-            assert states == 1, f"block {block} is not exactly one of free/referenced/evictable"
-            if block in free:
-                assert self._hash[block] is None, f"free block {block} keeps a hash"
-            if block in evictable:
-                assert self._hash[block] is not None, f"evictable block {block} has no hash"
-        hashed = [b for b in range(self.num_blocks) if self._hash[b] is not None]
-        assert len({self._hash[b] for b in hashed}) == len(hashed), "two blocks share a hash"
-        assert all(self._by_hash[self._hash[b]] == b for b in hashed), "hash index is stale"
-        assert len(self._by_hash) == len(hashed), "hash index holds dropped blocks"
-        for block in hashed:
-            assert self._fill[block] == self.block_size, f"cached block {block} is not full"
+    def free_and_evictable(self) -> tuple[list[int], list[int]]:
+        """The free list and the evictable LRU, oldest first (engine/block_invariants.py)."""
+        return list(self._free), list(self._evictable)
 
     # ---- internals --------------------------------------------------------------------------
-
-    def _unpend(self, h: int) -> None:
-        self._pending[h] -= 1
-        if not self._pending[h]:
-            del self._pending[h]
 
     def _take_block(self) -> int:
         if self._free:
             block = self._free.popleft()
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash[block]]
-            self._hash[block] = None
+            self.prefix_index.drop(block)
         else:
             raise NoFreeBlocksError("the KV pool is full")
         self._tokens[block] = ()
@@ -370,7 +287,7 @@ class BlockAllocator:
             del holders[owner]
             self._owners[block] = tuple(holders)
         if self._refcount[block] == 0:
-            if self._hash[block] is not None:
+            if self.prefix_index.is_named(block):
                 self._evictable[block] = None  # most recently used at the end
             else:
                 self._tokens[block] = ()

@@ -15,25 +15,25 @@ chosen here is what CI verifies.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
 
-from engine.kernels import (
-    BLOCK_SIZES,
-    DTYPES,
-    HEAD_DIMS,
-    MAX_GROUP,
+from engine.kernel_plans import (
     PARTITION_TOKENS,
+    KernelSet,
     KernelSource,
     Launch,
-    Ref,
-    _shaders_root,
+    as_int32,
+    checked_call,
+    partitions_for,
+    reduce_launch,
+    shaders_root,
+    workers_for,
 )
 
-CUDA_SHADER_PATH = _shaders_root() / "shaders" / "paged_attention.cu"
+CUDA_SHADER_PATH = shaders_root() / "shaders" / "paged_attention.cu"
 
 MAX_ROWS = 8  # prefill rows (query tokens x heads of a group) per block: registers (q, output)
 MAX_WARPS = 4  # warps per thread block
@@ -41,65 +41,15 @@ SHARED_BUDGET = 32768  # bytes of static shared memory for the cross-warp merge 
 SPLIT_BELOW_BLOCKS = 264  # fewer (sequence, KV head) blocks than 2 per SM of an H100/H200
 PREFILL_TOKENS_PER_BLOCK = 8  # most query tokens one block serves in a prefill chunk
 
-_KERNEL = "// ==== kernel: "
-_HEADER = "// ==== header ===="
-
-_SIGNATURES = {
-    "paged_attention": (
-        ("q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"),
-        ("out", "stats"),
-    ),
-    "paged_attention_reduce": (("part_out", "part_stats", "context_lens"), ("out",)),
-}
-
-
-def parse_cuda_source(text: str) -> dict[str, KernelSource]:
-    """Split the .cu file into its shared header and kernel bodies (at the marker lines)."""
-    header: list[str] = []
-    sections: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in text.splitlines(keepends=True):
-        stripped = line.strip()
-        if stripped == _HEADER:
-            current = header
-        elif stripped.startswith(_KERNEL) and stripped.endswith("===="):
-            name = stripped[len(_KERNEL) :].rstrip("=").strip()
-            if name in sections:
-                raise ValueError(f"kernel {name!r} appears twice in the CUDA source")
-            current = sections[name] = []
-        elif current is not None:
-            current.append(line)
-    missing = set(_SIGNATURES) - set(sections)
-    if missing:
-        raise ValueError(f"CUDA source lacks kernels {sorted(missing)}")
-    head = "".join(header)
-    return {
-        name: KernelSource(name, *_SIGNATURES[name], source="".join(sections[name]), header=head)
-        for name in _SIGNATURES
-    }
-
-
-@lru_cache(maxsize=1)
-def cuda_sources() -> dict[str, KernelSource]:
-    """The kernels of ``shaders/paged_attention.cu`` (read once)."""
-    return parse_cuda_source(CUDA_SHADER_PATH.read_text())
+#: The CUDA kernels (``mx.fast.cuda_kernel``, compiled by NVRTC) of the .cu file, whose
+#: ``// ==== header ====`` section is every kernel's header.
+KERNELS = KernelSet("cuda_kernel", CUDA_SHADER_PATH, "paged_attention", "paged_attention_reduce",
+                    "CUDA source")
 
 
 def available() -> bool:
     """True where MLX's CUDA backend is present (an NVIDIA GPU)."""
     return bool(mx.cuda.is_available())
-
-
-def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> bool:
-    """Whether the CUDA kernel handles this attention shape (else use the reference path)."""
-    return (
-        head_dim in HEAD_DIMS
-        and block_size in BLOCK_SIZES
-        and dtype in DTYPES
-        and num_kv_heads > 0
-        and num_heads % num_kv_heads == 0
-        and num_heads // num_kv_heads <= MAX_GROUP
-    )
 
 
 @dataclass(frozen=True)
@@ -135,20 +85,11 @@ def geometry(
         if split:
             raise ValueError("prefill chunks are not split into partitions")
         split = False
-    rows = qt * group
-    partitions = max(1, math.ceil(max_blocks * block_size / PARTITION_TOKENS))
-    if split is None:
-        split = batch * num_kv_heads < SPLIT_BELOW_BLOCKS
-    if not split:
-        partitions = 1
+    partitions = partitions_for(batch, num_kv_heads, block_size, max_blocks, split,
+                                SPLIT_BELOW_BLOCKS)
     if warps is None:
-        warps = MAX_WARPS
-        while warps > 1 and warps * rows * head_dim * 4 > SHARED_BUDGET:
-            warps //= 2
-        tokens = PARTITION_TOKENS if partitions > 1 else max_blocks * block_size
-        blocks = max(1, math.ceil(tokens / block_size))
-        while warps > 1 and warps > blocks:  # no idle warps
-            warps //= 2
+        warps = workers_for(partitions, MAX_WARPS, qt * group, head_dim, SHARED_BUDGET,
+                            block_size, max_blocks)
     return Geometry(warps, partitions, PARTITION_TOKENS if partitions > 1 else 0, qt)
 
 
@@ -176,32 +117,12 @@ def plan_attention(
     [num_blocks, block_size, num_kv_heads, head_dim]; block_tables int32 [B, max_blocks];
     context_lens int32 [B], each >= L. The whole pool arrays are passed.
     """
-    src = sources or cuda_sources()
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, H, L, D], got {q.shape}")
-    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
-        raise ValueError(f"pools must share a 4-d shape, got {k_pool.shape} and {v_pool.shape}")
-    batch, num_heads, query_len, head_dim = q.shape
-    _, block_size, num_kv_heads, pool_dim = k_pool.shape
-    if pool_dim != head_dim:
-        raise ValueError(f"head_dim {head_dim} != pool head_dim {pool_dim}")
-    if not supports(num_heads, num_kv_heads, head_dim, block_size, q.dtype):
-        raise ValueError(
-            f"unsupported attention shape: {num_heads} heads over {num_kv_heads} KV heads, "
-            f"head_dim {head_dim}, block_size {block_size}, {q.dtype}"
-        )
-    if k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise ValueError(f"dtypes {q.dtype}, {k_pool.dtype}, {v_pool.dtype} differ")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be [{batch}, max_blocks], got {block_tables.shape}")
-    if context_lens.shape != (batch,):
-        raise ValueError(f"context_lens must be [{batch}], got {context_lens.shape}")
-    if block_tables.dtype != mx.int32:
-        block_tables = block_tables.astype(mx.int32)
-    if context_lens.dtype != mx.int32:
-        context_lens = context_lens.astype(mx.int32)
-
-    group = num_heads // num_kv_heads
+    src = sources or KERNELS.sources()
+    shape, block_tables, context_lens = checked_call(q, k_pool, v_pool, block_tables,
+                                                     context_lens)
+    batch, num_heads, query_len = shape.batch, shape.num_heads, shape.query_len
+    head_dim, block_size, num_kv_heads = shape.head_dim, shape.block_size, shape.num_kv_heads
+    group = shape.group
     geo = geometry(
         batch, num_kv_heads, group, head_dim, block_size, block_tables.shape[1], query_len,
         split, warps,
@@ -236,58 +157,9 @@ def plan_attention(
     )
     if parts == 1:
         return [attend]
-    reduce = Launch(
-        kernel=src["paged_attention_reduce"],
-        inputs=(Ref(0, 0), Ref(0, 1), context_lens),
-        template=(("T", q.dtype), ("D", head_dim), ("PART", geo.partition_tokens)),
-        grid=(32, num_heads, batch),
-        threadgroup=(32, 1, 1),
-        output_shapes=((batch, num_heads, 1, head_dim),),
-        output_dtypes=(q.dtype,),
-    )
+    reduce = reduce_launch(src["paged_attention_reduce"], shape, context_lens, q.dtype,
+                           geo.partition_tokens)
     return [attend, reduce]
-
-
-_kernel_lock = threading.Lock()
-_kernel_objects: dict[KernelSource, object] = {}
-
-
-def kernel_object(kernel: KernelSource):
-    """The ``mx.fast.cuda_kernel`` for ``kernel``, built once (MLX compiles one module per
-    template instantiation, i.e. per shape family, with NVRTC and caches it)."""
-    obj = _kernel_objects.get(kernel)
-    if obj is None:
-        with _kernel_lock:
-            obj = _kernel_objects.get(kernel)
-            if obj is None:
-                obj = mx.fast.cuda_kernel(
-                    name=kernel.name,
-                    input_names=list(kernel.input_names),
-                    output_names=list(kernel.output_names),
-                    source=kernel.source,
-                    header=kernel.header,
-                    ensure_row_contiguous=True,
-                )
-                _kernel_objects[kernel] = obj
-    return obj
-
-
-def run_plan(plan: list[Launch], verbose: bool = False) -> list[list[mx.array]]:
-    """Execute a plan with the CUDA backend; returns every launch's outputs."""
-    results: list[list[mx.array]] = []
-    for launch in plan:
-        inputs = [results[x.launch][x.output] if isinstance(x, Ref) else x for x in launch.inputs]
-        outputs = kernel_object(launch.kernel)(
-            inputs=inputs,
-            template=list(launch.template),
-            grid=launch.grid,
-            threadgroup=launch.threadgroup,
-            output_shapes=[list(s) for s in launch.output_shapes],
-            output_dtypes=list(launch.output_dtypes),
-            verbose=verbose,
-        )
-        results.append(list(outputs))
-    return results
 
 
 @dataclass(frozen=True)
@@ -314,17 +186,14 @@ def _attend(
     """Run the plan for these shapes. The plan (validation, geometry, kernel objects) is built
     once per shape family; later calls only pass arrays: an engine step calls this once per
     layer, so its Python cost is paid tens of times per token."""
-    if block_tables.dtype != mx.int32:
-        block_tables = block_tables.astype(mx.int32)
-    if context_lens.dtype != mx.int32:
-        context_lens = context_lens.astype(mx.int32)
+    block_tables, context_lens = as_int32(block_tables), as_int32(context_lens)
     key = (q.shape, q.dtype, k_pool.shape, k_pool.dtype, v_pool.shape, v_pool.dtype,
            block_tables.shape, context_lens.shape)
     cached = _plan_cache.get(key)
     if cached is None:
         plan = plan_attention(q, k_pool, v_pool, block_tables, context_lens, scale)
         cached = [
-            _CachedLaunch(kernel_object(x.kernel), list(x.template), x.grid, x.threadgroup,
+            _CachedLaunch(KERNELS.get(x.kernel), list(x.template), x.grid, x.threadgroup,
                           [list(o) for o in x.output_shapes], list(x.output_dtypes))
             for x in plan
         ]

@@ -4,75 +4,43 @@ Other threads talk to it only through a thread-safe inbox (submit, cancel, stop)
 back per-request event streams (``RequestHandle``) and immutable pool snapshots. Nothing a
 caller does can raise inside the engine thread: bad requests end with an ``error`` event, a
 failing step fails only the requests involved (engine/step.py), and the thread keeps serving
-the others. This module is the thread shell and the load wiring; a step, its output and its
-telemetry live in their own modules.
+the others. This module is the thread shell: lifecycle, the public methods and the loop.
+What it delegates, each to a module with that one job: the checks at the door
+(engine/validation.py), the inbox's messages and how they are applied (engine/inbox.py),
+the load wiring (engine/loading.py), a step, its output and its telemetry (engine/step.py,
+engine/output.py, engine/telemetry.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-import numbers
 import queue
 import threading
 import traceback
-from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine import attention
-from engine.admission import admit, apply_template
-from engine.blocks import BlockAllocator
-from engine.config import (
-    EngineConfig,
-    SamplingParams,
-    blocks_for_budget,
-    check_top_k,
-    overlap_steps,
-)
+from engine import inbox
+from engine.admission import apply_template
+from engine.config import EngineConfig, SamplingParams, check_top_k
 from engine.errors import ModelLoadError
 from engine.events import EngineStatus, FinishReason, ModelInfo, PoolSnapshot
 from engine.handle import RequestHandle
-from engine.kv_pool import KVPool, KVShape
-from engine.memory import check_fits
-from engine.model_adapter import (
-    PROVEN_ARCHITECTURES,
-    PagedModel,
-    check_paged_matches,
-    probe_kv_shape,
-    recurrent_caches,
-    weights_nbytes,
-)
-from engine.models import LoadedModel, load_model
-from engine.output import Output, refuse
-from engine.prefill_budget import MIN_PROMPT_TOKENS, PrefillBudget
-from engine.scheduler import Scheduler
-from engine.step import StepRunner, describe
+from engine.loading import Runtime, load_runtime
+from engine.output import refuse
+from engine.step import describe
 from engine.telemetry import Telemetry
+from engine.validation import (
+    check_ids,
+    checked_messages,
+    checked_params,
+    checked_prompt,
+    vocab_size,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Submit:
-    request_id: str
-    session_id: str
-    messages: list[dict] | None
-    prompt_tokens: list[int] | None
-    params: SamplingParams
-    handle: RequestHandle
-
-
-@dataclass(frozen=True)
-class _Cancel:
-    handle: RequestHandle | None = None  # one request (by handle: ids may be reused)
-    session_id: str | None = None
-
-
-_STOP = object()
 
 
 class Engine:
@@ -85,7 +53,7 @@ class Engine:
         self._ready = threading.Event()
         self._ids = itertools.count(1)
         # Guards the inbox's open/closed state and the live request ids, so a submit either
-        # lands before stop()'s _STOP (and is answered by the thread) or sees it closed.
+        # lands before stop()'s inbox.STOP (and is answered by the thread) or sees it closed.
         self._lock = threading.Lock()
         self._open = False
         self._started = False
@@ -93,7 +61,8 @@ class Engine:
         self.status = EngineStatus.STOPPED
         self.load_error: str | None = None
         self.model_info: ModelInfo | None = None
-        self._loaded: LoadedModel | None = None
+        #: Everything the loaded model runs on (engine/loading.py); None until loaded.
+        self.runtime: Runtime | None = None
         self.telemetry = Telemetry()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -111,8 +80,7 @@ class Engine:
             self.telemetry = Telemetry()
             # A restart loads the model and allocates the pool afresh: let the old ones go
             # first, so memory never holds two of each.
-            self._loaded = self.model_info = None
-            self.pool = self.paged_model = self.stepper = None
+            self.runtime = self.model_info = None
             self.status = EngineStatus.LOADING
             self._thread = threading.Thread(target=self._run, name="pagedchat-engine",
                                             daemon=True)
@@ -134,7 +102,7 @@ class Engine:
             if thread is None:
                 return
             self._open = False
-            self._inbox.put(_STOP)
+            self._inbox.put(inbox.STOP)
         thread.join(timeout)
         with self._lock:
             if self._thread is thread:
@@ -164,16 +132,12 @@ class Engine:
         Bad input raises ValueError here, in the caller's thread, naming what is wrong; a
         request id that a live request holds is refused. Before start() this raises
         RuntimeError; after stop() the handle ends at once with an error final."""
-        messages, prompt_tokens = _checked_prompt(messages, prompt_tokens)
-        params = _checked_params(params)
-        if not isinstance(session_id, str) or not session_id:
-            raise ValueError(f"session_id must be a non-empty string naming the chat, "
-                             f"got {session_id!r}")
-        if request_id is not None and (not isinstance(request_id, str) or not request_id):
-            raise ValueError(f"request_id must be None or a non-empty string, got {request_id!r}")
-        loaded = self._loaded
-        if loaded is not None:
-            check_top_k(params, _vocab_size(loaded.tokenizer))
+        messages, prompt_tokens = checked_prompt(messages, prompt_tokens)
+        params = checked_params(params)
+        check_ids(session_id, request_id)
+        runtime = self.runtime
+        if runtime is not None:
+            check_top_k(params, vocab_size(runtime.loaded.tokenizer))
         with self._lock:
             if not self._started:
                 raise RuntimeError("the engine is not running: call start() first")
@@ -185,7 +149,7 @@ class Engine:
                 handle = RequestHandle(request_id, session_id, params.n, self._request_cancel,
                                        on_done=self._release_id)
                 self._live[request_id] = handle
-                self._inbox.put(_Submit(request_id, session_id, messages, prompt_tokens,
+                self._inbox.put(inbox.Submit(request_id, session_id, messages, prompt_tokens,
                                         params, handle))
                 return handle
         handle = RequestHandle(request_id, session_id, params.n, self._request_cancel)
@@ -201,10 +165,10 @@ class Engine:
 
     def cancel_session(self, session_id: str) -> None:
         """Cancel every request of a chat (for a deleted chat) and forget its stats."""
-        self._inbox.put(_Cancel(session_id=session_id))
+        self._inbox.put(inbox.Cancel(session_id=session_id))
 
     def _request_cancel(self, handle: RequestHandle) -> None:
-        self._inbox.put(_Cancel(handle=handle))
+        self._inbox.put(inbox.Cancel(handle=handle))
 
     # ---- queries (any thread) ---------------------------------------------------------------
 
@@ -214,29 +178,32 @@ class Engine:
 
     def count_tokens(self, messages: Seq[dict]) -> int:
         """Prompt tokens of ``messages`` after the chat template (0 before the model loads)."""
-        loaded = self._loaded
-        if loaded is None:
+        runtime = self.runtime
+        if runtime is None:
             return 0
-        return len(apply_template(loaded.tokenizer, _checked_messages(messages)))
+        return len(apply_template(runtime.loaded.tokenizer, checked_messages(messages)))
 
     def encode_chat(self, messages: Seq[dict], add_generation_prompt: bool = True) -> list[int]:
         """The token ids the engine would feed for ``messages`` (needs the model loaded)."""
-        loaded = self._loaded
-        if loaded is None:
-            raise RuntimeError("the model is not loaded yet")
-        return apply_template(loaded.tokenizer, _checked_messages(messages),
+        return apply_template(self._tokenizer(), checked_messages(messages),
                               add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         """The token ids of plain ``text``, no chat template (a raw completion prompt)."""
-        if self._loaded is None:
-            raise RuntimeError("the model is not loaded yet")
-        return list(self._loaded.tokenizer.encode(text))
+        return list(self._tokenizer().encode(text))
 
     def decode(self, token_ids: Seq[int]) -> str:
-        if self._loaded is None:
+        """The text of ``token_ids`` ("" before the model loads)."""
+        runtime = self.runtime
+        if runtime is None:
             return ""
-        return self._loaded.tokenizer.decode(list(token_ids))
+        return runtime.loaded.tokenizer.decode(list(token_ids))
+
+    def _tokenizer(self):
+        runtime = self.runtime
+        if runtime is None:
+            raise RuntimeError("the model is not loaded yet")
+        return runtime.loaded.tokenizer
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -252,217 +219,56 @@ class Engine:
 
     def _serve(self) -> None:
         try:
-            self._load()
+            self.runtime = rt = load_runtime(self.config, self.telemetry)
+            self.model_info = rt.model_info
+            self._publish(force=True)
         except Exception as e:  # the message is for the user; the traceback for the log
             logger.exception("model load failed")
             self.load_error = str(e) if isinstance(e, ModelLoadError) else describe(e)
             self.status = EngineStatus.ERROR
             self._ready.set()
             # Answer every request with the load error until stopped.
-            self._answer_queued(FinishReason.ERROR, self.load_error, until_stop=True)
+            inbox.answer_queued(self._inbox, FinishReason.ERROR, self.load_error,
+                                until_stop=True)
             return
         self.status = EngineStatus.READY
         self._ready.set()
         running = True
         while running:
             try:
-                running = self._drain_inbox(block=not self.scheduler.has_work)
-                if running and self.scheduler.has_work:
-                    self.stepper.step()
-                self._publish(force=not self.scheduler.has_work)
+                running = self._drain_inbox(block=not rt.scheduler.has_work)
+                if running and rt.scheduler.has_work:
+                    rt.stepper.step()
+                self._publish(force=not rt.scheduler.has_work)
             except Exception:  # a bug outside any one request: fail what is running, go on
                 logger.exception("engine loop error")
                 message = traceback.format_exc(limit=2).strip().splitlines()[-1]
-                self.output.finish_all(FinishReason.ERROR, f"engine error: {message}")
-        self.stepper.discard_inflight()
-        self.output.finish_all(FinishReason.CANCELLED)
-        self._answer_queued(FinishReason.CANCELLED, "the engine stopped")
+                rt.output.finish_all(FinishReason.ERROR, f"engine error: {message}")
+        rt.stepper.discard_inflight()
+        rt.output.finish_all(FinishReason.CANCELLED)
+        inbox.answer_queued(self._inbox, FinishReason.CANCELLED, "the engine stopped")
         self._publish(force=True)
-
-    def _load(self) -> None:
-        cfg = self.config
-        loaded = load_model(cfg.model, cfg.quantized)
-        shape = self._kv_shape(loaded)
-        num_blocks = blocks_for_budget(shape.bytes_per_token(), cfg.block_size, cfg.kv_memory_mib)
-        try:
-            check_fits(num_blocks * shape.bytes_per_token() * cfg.block_size,
-                       weights_nbytes(loaded.model))
-        except ValueError as e:
-            raise ModelLoadError(str(e)) from e
-        use_kernel = cfg.attention == "kernel" or (
-            cfg.attention == "auto" and attention.kernel_available()
-        )
-        if loaded.model_type not in PROVEN_ARCHITECTURES:
-            self._verify_architecture(loaded, shape)
-        self.pool = KVPool(shape, num_blocks, cfg.block_size)
-        self.alloc = BlockAllocator(num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(self.alloc, cfg.max_batch, cfg.prefill_chunk)
-        self.paged_model = PagedModel(loaded.model, self.pool, use_kernel=use_kernel)
-        self.max_context = min(cfg.max_context or loaded.max_context, loaded.max_context)
-        self.output = Output(self.scheduler, self.telemetry,
-                             set(loaded.tokenizer.eos_token_ids), self.max_context)
-        prefill = PrefillBudget(cfg.prefill_chunk, MIN_PROMPT_TOKENS, cfg.prefill_target)
-        self.stepper = StepRunner(self.scheduler, self.pool, self.paged_model, self.output,
-                                  self.telemetry, prefill,
-                                  overlap=overlap_steps(cfg, mx.default_device() == mx.gpu))
-        self._loaded = loaded
-        self.model_info = ModelInfo(
-            name=loaded.name,
-            model_type=loaded.model_type,
-            max_context=self.max_context,
-            block_size=cfg.block_size,
-            num_blocks=num_blocks,
-            bytes_per_block=self.pool.bytes_per_block,
-            attention=(attention.kernel_path() or "reference") if use_kernel else "reference",
-            path=str(loaded.path),
-        )
-        self._publish(force=True)
-
-    def _kv_shape(self, loaded: LoadedModel) -> KVShape:
-        """The model's per-layer K/V shape; a model without attention K/V (a state-space
-        model such as mamba) or with layers the pool cannot hold is refused, by name."""
-        fix = "choose a transformer model such as llama, qwen2, qwen3, mistral, phi3 or gemma"
-        recurrent = recurrent_caches(loaded.model)
-        if recurrent:
-            raise ModelLoadError(
-                f"the {loaded.model_type!r} architecture is not supported: it keeps a "
-                f"recurrent state ({', '.join(recurrent)}) instead of attention keys and "
-                f"values, so it cannot run on PagedChat's paged KV pool; {fix}")
-        try:
-            return probe_kv_shape(loaded.model)
-        except Exception as e:
-            raise ModelLoadError(
-                f"the {loaded.model_type!r} architecture is not supported on PagedChat's paged "
-                f"KV pool ({type(e).__name__}: {e}); {fix}") from e
-
-    def _verify_architecture(self, loaded: LoadedModel, shape: KVShape) -> None:
-        """An architecture outside the proven list runs paged only if it agrees with mlx-lm's
-        own cache on a short check; otherwise it is refused, never run wrongly."""
-        tolerance = 1e-3 if shape.dtype == mx.float32 else 3e-2
-        error = check_paged_matches(loaded.model, shape, self.config.block_size)
-        if error > tolerance:
-            raise ModelLoadError(
-                f"the {loaded.model_type!r} architecture is not supported on PagedChat's paged "
-                f"KV pool (its output differs from mlx-lm's by {error:.1e}): choose a llama, "
-                f"qwen2, qwen3, mistral, phi3 or gemma model"
-            )
-        logger.info("%s verified on the paged path (max rel. diff %.1e)", loaded.model_type, error)
 
     def _publish(self, force: bool = False) -> None:
+        rt = self.runtime
         self.telemetry.maybe_snapshot(
-            self.alloc, self.scheduler, self.output.requests.values(),
-            self.pool.bytes_per_block, self.model_info.name if self.model_info else "",
-            force=force,
+            rt.alloc, rt.scheduler, rt.output.requests.values(), rt.pool.bytes_per_block,
+            rt.model_info.name, force=force,
         )
-
-    def _answer_queued(self, reason: FinishReason, message: str | None,
-                       until_stop: bool = False) -> None:
-        """End every queued submission with ``reason`` (the engine cannot serve them)."""
-        while True:
-            try:
-                item = self._inbox.get(block=until_stop)
-            except queue.Empty:
-                return
-            if item is _STOP:
-                return
-            if isinstance(item, _Submit):
-                refuse(item.handle, item.params.n, reason, message)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply every queued command; False when asked to stop."""
+        rt = self.runtime
         while True:
             try:
                 item = self._inbox.get(block=block)
             except queue.Empty:
                 return True
             block = False
-            if item is _STOP:
+            if item is inbox.STOP:
                 return False
-            if isinstance(item, _Submit):
-                self._accept(item)
-            elif isinstance(item, _Cancel):
-                self._cancel(item)
-
-    def _accept(self, item: _Submit) -> None:
-        """Admit one submission; whatever goes wrong ends this request alone, with an error
-        final for each of its samples, and never reaches the loop's catch-all."""
-        try:
-            request, refusal = admit(
-                item.request_id, item.session_id, item.messages, item.prompt_tokens,
-                item.params, item.handle, self._loaded.tokenizer, self.max_context,
-            )
-            if refusal is not None:
-                refuse(item.handle, item.handle.n, FinishReason.ERROR, refusal, request)
-                return
-            self.scheduler.add(request.sequences[0])  # samples 1.. fork after the prompt
-        except Exception as e:
-            logger.exception("request %s could not be accepted", item.request_id)
-            refuse(item.handle, item.handle.n, FinishReason.ERROR,
-                   f"the request could not be started: {type(e).__name__}: {e}")
-            return
-        self.output.requests[request.request_id] = request
-        self.telemetry.add_session(item.session_id)
-
-    def _cancel(self, item: _Cancel) -> None:
-        if item.handle is not None:
-            request = self.output.requests.get(item.handle.request_id)
-            if request is not None and request.handle is item.handle:
-                self.output.finish_request(request, FinishReason.CANCELLED)
-            return
-        requests = self.output.requests.values()
-        for request in [r for r in requests if r.session_id == item.session_id]:
-            self.output.finish_request(request, FinishReason.CANCELLED)
-        self.telemetry.forget_session(item.session_id)
-
-
-def _checked_prompt(messages, prompt_tokens) -> tuple[list[dict] | None, list[int] | None]:
-    """Copies of the prompt arguments, or a ValueError saying what is wrong with them."""
-    if (messages is None) == (prompt_tokens is None):
-        raise ValueError("give either messages or prompt_tokens")
-    if messages is not None:
-        out = _checked_messages(messages)
-        if not any(m["content"].strip() for m in out):
-            raise ValueError("the conversation is empty: write a message first")
-        return out, None
-    if isinstance(prompt_tokens, str | bytes) or not isinstance(prompt_tokens, Seq):
-        raise ValueError("prompt_tokens must be a list of token ids")
-    tokens = []
-    for t in prompt_tokens:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise ValueError(f"prompt_tokens must hold token ids (integers), got {t!r}")
-        tokens.append(int(t))
-    if not tokens:
-        raise ValueError("prompt_tokens is empty")
-    return None, tokens
-
-
-def _checked_messages(messages) -> list[dict]:
-    """Copies of chat messages, each with a text role and text content, or a ValueError."""
-    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Seq):
-        raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise ValueError(f"message {i} must be a dict with 'role' and 'content', "
-                             f"got {type(m).__name__}")
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or not role:
-            raise ValueError(f"message {i} needs a 'role' (such as 'user'), got {role!r}")
-        if not isinstance(content, str):
-            raise ValueError(f"message {i}'s 'content' must be text, got "
-                             f"{type(content).__name__}")
-        out.append(dict(m))
-    return out
-
-
-def _checked_params(params) -> SamplingParams:
-    """``params`` validated again (a frozen dataclass can still be forced into a bad state)."""
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-    return dataclasses.replace(params)
-
-
-def _vocab_size(tokenizer) -> int:
-    return max(tokenizer.vocab_size, len(tokenizer))
+            if isinstance(item, inbox.Submit):
+                inbox.accept(item, rt.loaded.tokenizer, rt.max_context, rt.scheduler,
+                             rt.output, self.telemetry)
+            elif isinstance(item, inbox.Cancel):
+                inbox.cancel(item, rt.output, self.telemetry)

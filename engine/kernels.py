@@ -2,7 +2,7 @@
 
 The decode path reads K/V straight from the block pool through the block tables (no gathered
 copy). A call is described by a *launch plan* (:func:`plan_decode`): which kernel bodies run,
-with which template arguments, grid, threadgroup and output shapes. :func:`run_plan` executes
+with which template arguments, grid, threadgroup and output shapes. ``KERNELS.run`` executes
 a plan with ``mx.fast.metal_kernel`` on a Mac; the CPU emulation harness in
 ``tests/kernel_emulation`` executes the very same plan, so the geometry chosen here is what the
 tests verify.
@@ -16,99 +16,31 @@ kernel (no reduce pass when there is a single partition).
 
 from __future__ import annotations
 
-import math
-import sys
-import threading
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
-from typing import NamedTuple
 
 import mlx.core as mx
 
-from engine.config import BLOCK_SIZES
+from engine.kernel_plans import (
+    PARTITION_TOKENS,
+    KernelSet,
+    KernelSource,
+    Launch,
+    checked_call,
+    partitions_for,
+    reduce_launch,
+    shaders_root,
+    workers_for,
+)
 
+SHADER_PATH = shaders_root() / "shaders" / "paged_attention.metal"
 
-def _shaders_root() -> Path:
-    """The folder holding ``shaders/``: the project root from source; ``sys._MEIPASS`` in a
-    PyInstaller bundle (packaging/pagedchat.spec ships ``shaders/`` there as data; the app's
-    own files use the same rule through app/resources.py, which the engine must not import)."""
-    base = getattr(sys, "_MEIPASS", None) if getattr(sys, "frozen", False) else None
-    return Path(base) if base else Path(__file__).resolve().parent.parent
-
-
-SHADER_PATH = _shaders_root() / "shaders" / "paged_attention.metal"
-
-HEAD_DIMS = (64, 80, 96, 128)
-DTYPES = (mx.float16, mx.bfloat16, mx.float32)
-MAX_GROUP = 16  # query heads per KV head (register arrays are sized by it)
-
-PARTITION_TOKENS = 512  # split-K partition size (a multiple of every block size)
 SPLIT_BELOW_THREADGROUPS = 128  # fewer (sequence, KV head) pairs than this: GPU under-filled
 MAX_SIMDGROUPS = 4  # simdgroups (of 32 threads) per threadgroup
 TG_MEMORY_BUDGET = 16384  # bytes of threadgroup memory for the cross-simdgroup merge
 
-_MARKER = "// ==== kernel: "
-
-
-@dataclass(frozen=True)
-class KernelSource:
-    """One kernel body and the names ``mx.fast.metal_kernel`` builds its signature from."""
-
-    name: str
-    input_names: tuple[str, ...]
-    output_names: tuple[str, ...]
-    source: str
-    header: str = ""
-
-
-_SIGNATURES = {
-    "paged_decode": (
-        ("q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"),
-        ("out", "stats"),
-    ),
-    "paged_decode_reduce": (("part_out", "part_stats", "context_lens"), ("out",)),
-}
-
-
-def parse_shader(text: str) -> dict[str, KernelSource]:
-    """Split the shader file at its ``// ==== kernel: NAME ====`` lines into kernel bodies."""
-    sections: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in text.splitlines(keepends=True):
-        stripped = line.strip()
-        if stripped.startswith(_MARKER) and stripped.endswith("===="):
-            name = stripped[len(_MARKER) :].rstrip("=").strip()
-            if name in sections:
-                raise ValueError(f"kernel {name!r} appears twice in the shader")
-            current = sections[name] = []
-        elif current is not None:
-            current.append(line)
-    missing = set(_SIGNATURES) - set(sections)
-    if missing:
-        raise ValueError(f"shader lacks kernels {sorted(missing)}")
-    return {
-        name: KernelSource(name, *_SIGNATURES[name], source="".join(sections[name]))
-        for name in _SIGNATURES
-    }
-
-
-@lru_cache(maxsize=1)
-def shader_sources() -> dict[str, KernelSource]:
-    """The kernel bodies of ``shaders/paged_attention.metal`` (read once)."""
-    return parse_shader(SHADER_PATH.read_text())
-
-
-def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> bool:
-    """Whether the decode kernel handles this attention shape (else use the reference path)."""
-    return (
-        head_dim in HEAD_DIMS
-        and block_size in BLOCK_SIZES
-        and dtype in DTYPES
-        and num_kv_heads > 0
-        and num_heads % num_kv_heads == 0
-        and num_heads // num_kv_heads <= MAX_GROUP
-    )
+#: The Metal kernels (``mx.fast.metal_kernel``) of the shader file.
+KERNELS = KernelSet("metal_kernel", SHADER_PATH, "paged_decode", "paged_decode_reduce", "shader")
 
 
 @dataclass(frozen=True)
@@ -135,38 +67,12 @@ def decode_geometry(
     ``batch * num_kv_heads`` threadgroups would leave the GPU under-filled; True/False force it
     (a context that fits one partition is never split). ``simdgroups`` overrides the choice.
     """
-    partitions = max(1, math.ceil(max_blocks * block_size / PARTITION_TOKENS))
-    if split is None:
-        split = batch * num_kv_heads < SPLIT_BELOW_THREADGROUPS
-    if not split:
-        partitions = 1
+    partitions = partitions_for(batch, num_kv_heads, block_size, max_blocks, split,
+                                SPLIT_BELOW_THREADGROUPS)
     if simdgroups is None:
-        simdgroups = MAX_SIMDGROUPS
-        while simdgroups > 1 and simdgroups * group * head_dim * 4 > TG_MEMORY_BUDGET:
-            simdgroups //= 2
-        tokens = PARTITION_TOKENS if partitions > 1 else max_blocks * block_size
-        blocks = max(1, math.ceil(tokens / block_size))
-        while simdgroups > 1 and simdgroups > blocks:  # no idle simdgroups
-            simdgroups //= 2
+        simdgroups = workers_for(partitions, MAX_SIMDGROUPS, group, head_dim, TG_MEMORY_BUDGET,
+                                 block_size, max_blocks)
     return DecodeGeometry(simdgroups, partitions, PARTITION_TOKENS if partitions > 1 else 0)
-
-
-class Ref(NamedTuple):
-    """Output ``output`` of the earlier launch ``launch`` of the same plan."""
-
-    launch: int
-    output: int
-
-
-@dataclass(frozen=True)
-class Launch:
-    kernel: KernelSource
-    inputs: tuple  # mx.array | Ref, in kernel.input_names order
-    template: tuple[tuple[str, object], ...]  # (name, mx.Dtype | int)
-    grid: tuple[int, int, int]
-    threadgroup: tuple[int, int, int]
-    output_shapes: tuple[tuple[int, ...], ...]
-    output_dtypes: tuple
 
 
 @lru_cache(maxsize=64)
@@ -193,33 +99,13 @@ def plan_decode(
     context_lens [B] (each >= 1). The whole pool arrays are passed (a sliced view would be
     copied by ``ensure_row_contiguous``).
     """
-    src = sources or shader_sources()
+    src = sources or KERNELS.sources()
     if q.ndim != 4 or q.shape[2] != 1:
         raise ValueError(f"q must be [B, H, 1, D], got {q.shape}")
-    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
-        raise ValueError(f"pools must share a 4-d shape, got {k_pool.shape} and {v_pool.shape}")
-    batch, num_heads, _, head_dim = q.shape
-    _, block_size, num_kv_heads, pool_dim = k_pool.shape
-    if pool_dim != head_dim:
-        raise ValueError(f"head_dim {head_dim} != pool head_dim {pool_dim}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} not in {HEAD_DIMS}")
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"block_size {block_size} not in {BLOCK_SIZES}")
-    if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
-        raise ValueError(f"{num_heads} query heads over {num_kv_heads} KV heads unsupported")
-    if q.dtype not in DTYPES or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise ValueError(f"dtypes {q.dtype}, {k_pool.dtype}, {v_pool.dtype} unsupported")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be [{batch}, max_blocks], got {block_tables.shape}")
-    if context_lens.shape != (batch,):
-        raise ValueError(f"context_lens must be [{batch}], got {context_lens.shape}")
-    if block_tables.dtype != mx.int32:
-        block_tables = block_tables.astype(mx.int32)
-    if context_lens.dtype != mx.int32:
-        context_lens = context_lens.astype(mx.int32)
-
-    group = num_heads // num_kv_heads
+    shape, block_tables, context_lens = checked_call(q, k_pool, v_pool, block_tables,
+                                                     context_lens)
+    batch, num_heads, head_dim = shape.batch, shape.num_heads, shape.head_dim
+    block_size, num_kv_heads, group = shape.block_size, shape.num_kv_heads, shape.group
     if simdgroups is not None and (
         simdgroups not in (1, 2, 4, 8) or simdgroups * group * (head_dim + 2) * 4 > 32768
     ):
@@ -248,57 +134,9 @@ def plan_decode(
     )
     if parts == 1:
         return [decode]
-    reduce = Launch(
-        kernel=src["paged_decode_reduce"],
-        inputs=(Ref(0, 0), Ref(0, 1), context_lens),
-        template=(("T", q.dtype), ("D", head_dim), ("PART", geo.partition_tokens)),
-        grid=(32, num_heads, batch),
-        threadgroup=(32, 1, 1),
-        output_shapes=((batch, num_heads, 1, head_dim),),
-        output_dtypes=(q.dtype,),
-    )
+    reduce = reduce_launch(src["paged_decode_reduce"], shape, context_lens, q.dtype,
+                           geo.partition_tokens)
     return [decode, reduce]
-
-
-_kernel_lock = threading.Lock()
-_kernel_objects: dict[KernelSource, object] = {}
-
-
-def kernel_object(kernel: KernelSource):
-    """The ``mx.fast.metal_kernel`` for ``kernel``, built once (MLX then compiles one pipeline
-    per template instantiation, i.e. per shape family, and caches it)."""
-    obj = _kernel_objects.get(kernel)
-    if obj is None:
-        with _kernel_lock:
-            obj = _kernel_objects.get(kernel)
-            if obj is None:
-                obj = mx.fast.metal_kernel(
-                    name=kernel.name,
-                    input_names=list(kernel.input_names),
-                    output_names=list(kernel.output_names),
-                    source=kernel.source,
-                    header=kernel.header,
-                    ensure_row_contiguous=True,
-                )
-                _kernel_objects[kernel] = obj
-    return obj
-
-
-def run_plan(plan: list[Launch]) -> list[list[mx.array]]:
-    """Execute a plan with the Metal backend; returns every launch's outputs."""
-    results: list[list[mx.array]] = []
-    for launch in plan:
-        inputs = [results[x.launch][x.output] if isinstance(x, Ref) else x for x in launch.inputs]
-        outputs = kernel_object(launch.kernel)(
-            inputs=inputs,
-            template=list(launch.template),
-            grid=launch.grid,
-            threadgroup=launch.threadgroup,
-            output_shapes=[list(s) for s in launch.output_shapes],
-            output_dtypes=list(launch.output_dtypes),
-        )
-        results.append(list(outputs))
-    return results
 
 
 def paged_decode_kernel(
@@ -311,4 +149,4 @@ def paged_decode_kernel(
 ) -> mx.array:
     """``engine.attention.reference_decode`` on the Metal kernel: [B, H, 1, D]."""
     plan = plan_decode(q, k_pool, v_pool, block_tables, context_lens, scale)
-    return run_plan(plan)[-1][0]
+    return KERNELS.run(plan)[-1][0]

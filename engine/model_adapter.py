@@ -15,6 +15,9 @@ Hooks into mlx-lm, all by its own extension points:
   function that routes our cache views to ``paged_attention`` and delegates everything else;
 * the final norm is wrapped so only the rows whose logits are needed reach the LM head (a
   prefill chunk needs one row of logits, not one per token).
+
+Which architectures may use these hooks, and the check at load for the others, live in
+engine/architecture.py.
 """
 
 from __future__ import annotations
@@ -27,10 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine import attention
-from engine.kv_pool import KVPool, KVShape
+from engine.kv_pool import KVPool
 from engine.work import SequenceWork
-
-PROVEN_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
 
 
 @dataclass(frozen=True)
@@ -148,10 +149,9 @@ class PagedLayerCache:
         if self._kernel_ok is None:
             self._kernel_ok = False
             if self.use_kernel:
-                from engine import cuda_kernels, kernels
+                from engine.kernel_plans import supports
 
                 shape = self.pool.shape
-                supports = cuda_kernels.supports if mx.cuda.is_available() else kernels.supports
                 self._kernel_ok = supports(
                     num_heads, shape.num_kv_heads, shape.head_dim, self.pool.block_size,
                     shape.dtype,
@@ -227,50 +227,6 @@ def _inner_model(model: nn.Module) -> nn.Module | None:
     return inner
 
 
-class _ShapeProbe:
-    """A cache that records the K/V shape each layer produces (one token, no pool)."""
-
-    def __init__(self) -> None:
-        self.offset = 0
-        self.seen: tuple[int, int, mx.Dtype] | None = None
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.seen = (keys.shape[1], keys.shape[3], keys.dtype)
-        return keys, values
-
-
-def recurrent_caches(model: nn.Module) -> list[str]:
-    """Names of the cache types the model asks mlx-lm for that hold a recurrent state
-    rather than attention K/V (state-space layers: mamba, hybrids). The paged pool only
-    holds K/V, so a model with any is refused at load, by name, before it is run."""
-    make_cache = getattr(model, "make_cache", None)
-    if make_cache is None:
-        return []  # mlx-lm gives it plain KVCaches
-    from mlx_lm.models.cache import ArraysCache, CacheList
-
-    return sorted({type(c).__name__ for c in make_cache()
-                   if isinstance(c, ArraysCache | CacheList)})
-
-
-def weights_nbytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters (for the memory check before the pool exists)."""
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-
-def probe_kv_shape(model: nn.Module) -> KVShape:
-    """Run one token through the model to learn its per-layer K/V shape and dtype."""
-    layers = model.layers
-    probes = [_ShapeProbe() for _ in layers]
-    mx.eval(model(mx.array([[0]], dtype=mx.int32), cache=probes))
-    shapes = {p.seen for p in probes}
-    if None in shapes or len(shapes) != 1:
-        raise ValueError("the model's layers do not share one K/V shape; the paged path needs it")
-    kv_heads, head_dim, dtype = shapes.pop()
-    return KVShape(num_layers=len(layers), num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-
-
 class PagedModel:
     """An mlx-lm model bound to a KV pool: one ``forward`` per engine step."""
 
@@ -300,34 +256,3 @@ class PagedModel:
         if self._row_norm is None:
             logits = logits[batch.logit_rows]
         return logits[:, -1, :]
-
-
-def check_paged_matches(model: nn.Module, shape: KVShape, block_size: int) -> float:
-    """Run a short prompt and three decode steps through the paged path and through mlx-lm's
-    own cache; return the largest logit difference relative to the logits' scale.
-
-    Used at load time for architectures outside PROVEN_ARCHITECTURES: one that agrees runs
-    paged; one that does not is refused with a clear message instead of answering wrongly.
-    """
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from engine.blocks import BlockAllocator, BlockTable
-
-    prompt = [(7 * i + 3) % 100 + 1 for i in range(2 * block_size + 3)]
-    feeds = [prompt, [11], [12], [13]]
-    cache = make_prompt_cache(model)
-    pool = KVPool(shape, 8, block_size)
-    alloc = BlockAllocator(8, block_size)
-    paged = PagedModel(model, pool)
-    table = BlockTable(owner="check")
-    worst = 0.0
-    for tokens in feeds:
-        expected = model(mx.array([tokens]), cache=cache)[0, -1].astype(mx.float32)
-        start = table.num_tokens
-        slots = alloc.append(table, tokens).slots
-        got = paged.forward(build_step_batch([SequenceWork(tokens, start, table.blocks, slots)]))
-        alloc.mark_computed(table)
-        diff = mx.abs(got[0].astype(mx.float32) - expected).max()
-        scale = mx.maximum(mx.abs(expected).max(), 1.0)
-        worst = max(worst, (diff / scale).item())
-    return worst

@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.blocks import PENDING, BlockAllocator, BlockTable
+from engine.block_table import PENDING, BlockTable
+from engine.blocks import BlockAllocator
 from engine.events import SequenceState
 from engine.sequence import Sequence
 from engine.work import SequenceWork

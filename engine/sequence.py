@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from engine.blocks import PENDING, BlockTable
+from engine.block_table import PENDING, BlockTable
 from engine.config import SamplingParams
 from engine.events import FinishReason, SequenceState
 

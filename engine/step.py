@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from engine.blocks import PENDING
+from engine.block_table import PENDING
 from engine.events import FinishReason
 from engine.kv_pool import KVPool
 from engine.model_adapter import PagedModel, StepBatch, build_step_batch

@@ -18,7 +18,8 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 
 from engine import Engine, FinalEvent, TokenEvent
 from engine.config import SamplingParams
-from engine.models import LoadedModel, load_model
+from engine.model_folder import LoadedModel
+from engine.models import load_model
 
 # mlx-lm's make_logits_processors default (repetition_context_size=20): the penalty looks at
 # the last 20 tokens of the sequence, whatever longer history the caller hands it.

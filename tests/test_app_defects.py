@@ -644,7 +644,7 @@ def test_the_monitor_dock_can_be_closed_in_both_themes(window, qtbot):
 
     for theme in ("light", "dark", "light"):
         with qtbot.waitSignal(theme_manager().changed):
-            window.set_theme(theme)
+            window.settings_flow.set_theme(theme)
         button = window.monitor_dock.findChild(QAbstractButton, "qt_dockwidget_closebutton")
         assert button is not None and button.isVisible()
         assert not button.icon().isNull(), f"no close icon in the {theme} theme"

@@ -339,7 +339,7 @@ def test_invalid_settings_are_refused_with_a_message(qtbot, qasync_loop, app_env
         box.button(QMessageBox.StandardButton.Ok).click()
 
     results = []
-    answer_modal(qtbot, lambda: results.append(w.apply_settings(invalid)), warned, QMessageBox)
+    answer_modal(qtbot, lambda: results.append(w.settings_flow.apply(invalid)), warned, QMessageBox)
     assert results == [False] and "does not exist" in texts[0]
     assert AppSettings.load(h.store).to_dict() == before and w.bridge.engine is app_engine
     h.close()

@@ -11,15 +11,13 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from engine.blocks import BlockAllocator, BlockTable
+from engine.architecture import PROVEN_ARCHITECTURES, probe_kv_shape
+from engine.block_invariants import check_invariants
+from engine.block_table import BlockTable
+from engine.blocks import BlockAllocator
 from engine.kv_pool import KVPool
-from engine.model_adapter import (
-    PROVEN_ARCHITECTURES,
-    PagedModel,
-    SequenceWork,
-    build_step_batch,
-    probe_kv_shape,
-)
+from engine.model_adapter import PagedModel, build_step_batch
+from engine.work import SequenceWork
 
 VOCAB = 128
 COMMON = {
@@ -89,7 +87,7 @@ def paged_logits(model, prompts: list[list[int]], continuations: list[list[int]]
     step(prompts)
     for t in range(DECODE_STEPS):
         step([[c[t]] for c in continuations])
-    alloc.check_invariants(tables)
+    check_invariants(alloc, tables)
     return outputs
 
 
@@ -132,7 +130,7 @@ def test_load_time_check_accepts_a_compatible_architecture_and_flags_an_incompat
     a compatible architecture (starcoder2) agrees; gemma2, whose attention bypasses
     scaled_dot_product_attention (logit soft-capping), does not. Both sit far from the
     engine's fp32 threshold (1e-3): the Engine-level test below runs the real refusal."""
-    from engine.model_adapter import check_paged_matches
+    from engine.architecture import check_paged_matches
 
     CONFIGS.update(UNPROVEN)
     try:
@@ -157,7 +155,8 @@ def tiny_model_folder(folder, arch: str):
     import json
     import shutil
 
-    from engine.models import converted_folder, ensure_converted, locate_default_gguf
+    from engine.default_model import converted_folder, locate_default_gguf
+    from engine.gguf_cache import ensure_converted
 
     source = ensure_converted(locate_default_gguf(), converted_folder(False), quantized=False)
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]

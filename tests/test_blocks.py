@@ -8,7 +8,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.blocks import BlockAllocator, BlockTable, NoFreeBlocksError
+from engine.block_invariants import check_invariants
+from engine.block_table import BlockTable, NoFreeBlocksError
+from engine.blocks import BlockAllocator
 
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=40)
 
@@ -78,12 +80,12 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def consistent(self) -> None:
-        self.alloc.check_invariants(self.tables)
+        check_invariants(self.alloc, self.tables)
 
     def teardown(self) -> None:
         for table in self.tables:
             self.alloc.free(table)
-        self.alloc.check_invariants([])
+        check_invariants(self.alloc, [])
         for block in range(self.alloc.num_blocks):
             assert self.alloc.refcount(block) == 0  # every block free or cached
 
@@ -149,7 +151,7 @@ def test_failed_append_is_all_or_nothing() -> None:
     with pytest.raises(NoFreeBlocksError):
         alloc.append(table, list(range(10)))
     assert table.tokens == [1, 2, 3] and len(table.blocks) == 1
-    alloc.check_invariants([table])
+    check_invariants(alloc, [table])
 
 
 def test_identical_prefixes_computed_at_once_keep_one_cached_copy() -> None:
@@ -161,12 +163,12 @@ def test_identical_prefixes_computed_at_once_keep_one_cached_copy() -> None:
         alloc.append(t, [1, 2, 3, 4, 5])
     for t in (a, b):
         alloc.mark_computed(t)
-    alloc.check_invariants([a, b])  # includes: no two cached blocks share a hash
+    check_invariants(alloc, [a, b])  # includes: no two cached blocks share a hash
     assert alloc.is_cached(a.blocks[0]) != alloc.is_cached(b.blocks[0])
 
 
 def test_a_pending_token_is_hashed_and_shown_only_once_resolved() -> None:
-    from engine.blocks import PENDING
+    from engine.block_table import PENDING
 
     alloc = BlockAllocator(8, 4)
     table = BlockTable(owner="s")
@@ -175,10 +177,10 @@ def test_a_pending_token_is_hashed_and_shown_only_once_resolved() -> None:
     alloc.append(table, [PENDING])  # the block is full, its last token not known yet
     assert table.hashes == []
     assert alloc.block_state()[4][table.blocks[0]] == (1, 2, 3)
-    alloc.check_invariants([table])
+    check_invariants(alloc, [table])
     alloc.resolve_pending(table, 4)
     alloc.mark_computed(table)
     assert alloc.block_state()[4][table.blocks[0]] == (1, 2, 3, 4)
-    alloc.check_invariants([table])
+    check_invariants(alloc, [table])
     other = BlockTable(owner="t")
     assert alloc.reuse_prefix(other, [1, 2, 3, 4, 5]) == 4  # named in the prefix cache

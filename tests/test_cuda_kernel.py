@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import attention, cuda_kernels
+from engine import attention, cuda_kernels, kernel_plans
 from engine.attention import reference_decode, reference_prefill
 from tests.kernel_emulation import cuda_generator as cgen
 from tests.kernel_emulation import generator as gen
@@ -250,7 +250,7 @@ def mutated_sources(mutant: str) -> dict:
     old, new, _ = MUTANTS[mutant]
     text = cuda_kernels.CUDA_SHADER_PATH.read_text()
     assert text.count(old) == 1, f"mutation site of {mutant!r} not found exactly once"
-    return cuda_kernels.parse_cuda_source(text.replace(old, new))
+    return cuda_kernels.KERNELS.parse(text.replace(old, new))
 
 
 def plan_case(case, sources=None) -> list:
@@ -344,8 +344,8 @@ def test_emulator_reports_oversized_shared_memory():
 
     def launch(n: int):
         src = body.format(n=n)
-        kernel = cuda_kernels.KernelSource("emu_cuda_shared", ("inp",), ("out",), src)
-        return cuda_kernels.Launch(
+        kernel = kernel_plans.KernelSource("emu_cuda_shared", ("inp",), ("out",), src)
+        return kernel_plans.Launch(
             kernel, (x,), (), (64, 1, 1), (64, 1, 1), ((64,),), (mx.float32,)
         )
 
@@ -374,8 +374,8 @@ def test_emulator_cuda_builtins_against_numpy():
     )
     n, block = 100, 64  # MLX launches ceil(100 / 64) = 2 full blocks: 128 threads
     x = np.random.default_rng(5).integers(-50, 50, size=n).astype(np.float32)
-    kernel = cuda_kernels.KernelSource("emu_cuda_builtins", ("inp",), ("out",), body)
-    launch = cuda_kernels.Launch(
+    kernel = kernel_plans.KernelSource("emu_cuda_builtins", ("inp",), ("out",), body)
+    launch = kernel_plans.Launch(
         kernel, (mx.array(x),), (), (n, 1, 1), (block, 1, 1), ((128 * 5,),), (mx.float32,)
     )
     out = np.array(gen.run_launch(launch, [mx.array(x)], frontend=cgen.FRONTEND).outputs[0])
@@ -397,7 +397,7 @@ def test_emulator_cuda_builtins_against_numpy():
 def test_cuda_geometry():
     long_ctx = 4096 // 16
     g = cuda_kernels.geometry(1, 8, 4, 128, 16, long_ctx)
-    assert g.partitions == 8 and g.partition_tokens == cuda_kernels.PARTITION_TOKENS
+    assert g.partitions == 8 and g.partition_tokens == kernel_plans.PARTITION_TOKENS
     assert cuda_kernels.geometry(64, 8, 4, 128, 16, long_ctx).partitions == 1  # 512 blocks
     g = cuda_kernels.geometry(1, 8, 4, 128, 16, long_ctx, query_len=256)  # prefill
     assert g.partitions == 1 and g.query_tokens == 2
@@ -441,7 +441,7 @@ def test_dispatch_names_the_path():
 @pytest.mark.parametrize("case", [*DECODE_CASES, *PREFILL_CASES], ids=lambda c: c.id)
 def test_cuda_kernel_matches_reference(case):
     plan = plan_case(case)
-    results = cuda_kernels.run_plan(plan)
+    results = cuda_kernels.KERNELS.run(plan)
     mx.eval(results)
     check_case(case, plan, results)
 
@@ -452,7 +452,7 @@ def test_cuda_kernel_matches_reference(case):
 def test_planted_bug_is_caught_on_the_gpu(mutant):
     case = MUTANTS[mutant][2]
     plan = plan_case(case, mutated_sources(mutant))
-    results = cuda_kernels.run_plan(plan)
+    results = cuda_kernels.KERNELS.run(plan)
     mx.eval(results)
     with pytest.raises(AssertionError):
         check_case(case, plan, results)
@@ -481,7 +481,7 @@ def test_cuda_dispatch_through_attention():
 def test_generator_writes_the_source_mlx_generates(capfd):
     """The emulator compiles the text MLX compiles: compare with MLX's verbose output."""
     plan = plan_decode_case(DECODE_CASES[1])
-    mx.eval(cuda_kernels.run_plan(plan, verbose=True))
+    mx.eval(cuda_kernels.KERNELS.run(plan, verbose=True))
     printed = capfd.readouterr().out
     for launch, specs in zip(plan, cgen.plan_specs(plan), strict=True):
         expected = cgen.mlx_source(launch.kernel, specs, launch.output_dtypes, launch.template)

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig, FinalEvent, FinishReason, SamplingParams, TokenEvent
+from engine.block_invariants import check_invariants
 from tests.reference import reference_model, wait_until
 from tests.tiny_model import budget_mib, greedy_with_margin, make_tiny_model
 
@@ -291,8 +292,8 @@ def test_random_interleavings_keep_every_promise(world: World, ops: list[dict]) 
             _check_handle(world, record)
         if running:
             wait_until(lambda: engine.snapshot().used_blocks == 0, timeout=60)
-            wait_until(lambda: not engine.scheduler.has_work, timeout=60)
-            engine.alloc.check_invariants([])  # no table holds a block; bookkeeping agrees
+            wait_until(lambda: not engine.runtime.scheduler.has_work, timeout=60)
+            check_invariants(engine.runtime.alloc, [])  # no table holds a block; bookkeeping agrees
     finally:
         if not running:
             engine.start()

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import attention, kernels
+from engine import attention, kernel_plans, kernels
 from engine.attention import reference_decode
 from tests.kernel_emulation import generator as gen
 
@@ -183,7 +183,7 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, tol, what: str) -> No
         )
 
 
-def plan_for(case: Case, sources=None) -> list[kernels.Launch]:
+def plan_for(case: Case, sources=None) -> list[kernel_plans.Launch]:
     inp = make_inputs(case)
     return kernels.plan_decode(
         inp.q,
@@ -198,7 +198,8 @@ def plan_for(case: Case, sources=None) -> list[kernels.Launch]:
     )
 
 
-def check_results(case: Case, plan: list[kernels.Launch], results: list[list[mx.array]]) -> None:
+def check_results(case: Case, plan: list[kernel_plans.Launch],
+                  results: list[list[mx.array]]) -> None:
     """Compare a plan's outputs with reference_decode and the float64 oracle (final output,
     per-partition partials and softmax statistics)."""
     inp = make_inputs(case)
@@ -306,11 +307,11 @@ MUTANTS = {
 MUTANT_RUNS = [(name, case) for name, m in MUTANTS.items() for case in m.cases]
 
 
-def mutated_sources(mutant: str) -> dict[str, kernels.KernelSource]:
+def mutated_sources(mutant: str) -> dict[str, kernel_plans.KernelSource]:
     m = MUTANTS[mutant]
     text = kernels.SHADER_PATH.read_text()
     assert text.count(m.old) == 1, f"mutation site of {mutant!r} not found exactly once"
-    return kernels.parse_shader(text.replace(m.old, m.new))
+    return kernels.KERNELS.parse(text.replace(m.old, m.new))
 
 
 @pytest.fixture(scope="module")
@@ -433,10 +434,10 @@ def simd_ops_expected(x: np.ndarray, tg: int) -> tuple[np.ndarray, np.ndarray]:
 @needs_gxx
 @pytest.mark.parametrize("fibers", ["asm", "ucontext"])
 def test_emulator_simd_primitives(fibers):
-    kernel = kernels.KernelSource("emu_simd_ops", ("inp",), ("out",), SIMD_OPS_SOURCE)
+    kernel = kernel_plans.KernelSource("emu_simd_ops", ("inp",), ("out",), SIMD_OPS_SOURCE)
     n, tg = 120, 64  # two threadgroups, the second non-uniform (56 threads: 32 + 24 lanes)
     x = np.random.default_rng(3).integers(-50, 50, size=n).astype(np.float32)
-    launch = kernels.Launch(
+    launch = kernel_plans.Launch(
         kernel, (mx.array(x),), (), (n, 1, 1), (tg, 1, 1), ((n * 12,),), (mx.float32,)
     )
     flags = ("-DMETAL_EMU_FORCE_UCONTEXT",) if fibers == "ucontext" else ()
@@ -478,9 +479,9 @@ def test_emulator_simd_primitives(fibers):
     ],
 )
 def test_emulator_reports_metal_errors(name, body, message):
-    kernel = kernels.KernelSource(name, ("inp",), ("out",), body)
+    kernel = kernel_plans.KernelSource(name, ("inp",), ("out",), body)
     x = mx.arange(64, dtype=mx.float32)
-    launch = kernels.Launch(kernel, (x,), (), (64, 1, 1), (64, 1, 1), ((64,),), (mx.float32,))
+    launch = kernel_plans.Launch(kernel, (x,), (), (64, 1, 1), (64, 1, 1), ((64,),), (mx.float32,))
     with pytest.raises(gen.EmulatorError, match=message):
         gen.run_launch(launch, [x])
 
@@ -492,8 +493,8 @@ def test_emulator_keeps_constant_and_device_apart():
     x = mx.arange(4, dtype=mx.float32)
 
     def launch(body):
-        kernel = kernels.KernelSource("emu_address_space", ("inp",), ("out",), body)
-        return kernels.Launch(kernel, (x,), (), (4, 1, 1), (4, 1, 1), ((4,),), (mx.float32,))
+        kernel = kernel_plans.KernelSource("emu_address_space", ("inp",), ("out",), body)
+        return kernel_plans.Launch(kernel, (x,), (), (4, 1, 1), (4, 1, 1), ((4,),), (mx.float32,))
 
     read = "out[thread_position_in_grid.x] = p[thread_position_in_grid.x];"
     with pytest.raises(gen.EmulatorError, match="build failed"):
@@ -508,7 +509,7 @@ def test_emulator_keeps_constant_and_device_apart():
 def test_geometry_splits_only_when_the_gpu_is_underfilled():
     long_ctx = 4096 // 16
     g = kernels.decode_geometry(1, 8, 4, 128, 16, long_ctx)
-    assert g.partitions == 8 and g.partition_tokens == kernels.PARTITION_TOKENS
+    assert g.partitions == 8 and g.partition_tokens == kernel_plans.PARTITION_TOKENS
     g = kernels.decode_geometry(64, 8, 4, 128, 16, long_ctx)  # 512 threadgroups: no split
     assert g.partitions == 1 and g.partition_tokens == 0
     g = kernels.decode_geometry(1, 8, 4, 128, 16, 512 // 16, split=True)  # one partition
@@ -521,12 +522,12 @@ def test_geometry_splits_only_when_the_gpu_is_underfilled():
 
 
 def test_supports_matches_the_template_set():
-    assert kernels.supports(32, 8, 128, 16, mx.float16)
-    assert kernels.supports(9, 3, 64, 16, mx.bfloat16)  # SmolLM2-135M
-    assert not kernels.supports(32, 8, 256, 16, mx.float16)  # head dim
-    assert not kernels.supports(32, 8, 128, 64, mx.float16)  # block size
-    assert not kernels.supports(12, 8, 128, 16, mx.float16)  # not a whole group
-    assert not kernels.supports(64, 2, 128, 16, mx.float16)  # group of 32 > MAX_GROUP
+    assert kernel_plans.supports(32, 8, 128, 16, mx.float16)
+    assert kernel_plans.supports(9, 3, 64, 16, mx.bfloat16)  # SmolLM2-135M
+    assert not kernel_plans.supports(32, 8, 256, 16, mx.float16)  # head dim
+    assert not kernel_plans.supports(32, 8, 128, 64, mx.float16)  # block size
+    assert not kernel_plans.supports(12, 8, 128, 16, mx.float16)  # not a whole group
+    assert not kernel_plans.supports(64, 2, 128, 16, mx.float16)  # group of 32 > MAX_GROUP
 
 
 def test_plan_single_pass_has_no_reduce_and_split_has_one():
@@ -567,7 +568,7 @@ def test_plan_rejects_unsupported_shapes():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_metal_kernel_matches_reference(case):
     plan = plan_for(case)
-    results = kernels.run_plan(plan)
+    results = kernels.KERNELS.run(plan)
     mx.eval(results)
     check_results(case, plan, results)
 
@@ -590,7 +591,7 @@ def test_generator_writes_the_source_mlx_generates(capfd):
     case = CASES[3]
     plan = plan_for(case)
     launch = plan[0]
-    kernels.kernel_object(launch.kernel)(
+    kernels.KERNELS.get(launch.kernel)(
         inputs=list(launch.inputs),
         template=list(launch.template),
         grid=launch.grid,

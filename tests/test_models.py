@@ -1,4 +1,5 @@
-"""engine/models.py and engine/gguf.py: the default model's conversion, folders, repos, errors.
+"""engine/models.py, model_folder.py, default_model.py, gguf.py and gguf_cache.py: the default
+model's conversion and its cache, folders, repos, errors.
 
 References are independent of the code under test: the GGUF file itself (read with mx.load),
 a hand-written GPT-2 byte-level BPE, the ChatML text written out by hand, and the model's
@@ -23,17 +24,14 @@ from mlx.utils import tree_flatten
 from mlx_lm import generate
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine import default_model
 from engine import gguf as converter
-from engine import models
-from engine.gguf import GGUF_PATH_ENV, STAMP_FILE
-from engine.models import (
-    CACHE_DIR_ENV,
-    LoadedModel,
-    ModelLoadError,
-    converted_folder,
-    load_model,
-    locate_default_gguf,
-)
+from engine.default_model import CACHE_DIR_ENV, converted_folder, locate_default_gguf
+from engine.errors import ModelLoadError
+from engine.gguf import GGUF_PATH_ENV
+from engine.gguf_cache import STAMP_FILE, ensure_converted
+from engine.model_folder import LoadedModel
+from engine.models import load_model
 
 CAPITAL_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -97,7 +95,7 @@ def test_default_model_answers_capital_of_france(variant, request):
 def test_default_variant_follows_the_backend(fp32_model, q4_model):
     loaded = load_model("default")
     expect_quantized = mx.metal.is_available()
-    assert models.default_quantized() is expect_quantized
+    assert default_model.default_quantized() is expect_quantized
     assert loaded.path == (q4_model if expect_quantized else fp32_model).path
     assert ("4-bit" if expect_quantized else "fp32") in loaded.name
 
@@ -319,7 +317,7 @@ def test_untrusted_folder_is_converted_again(q4_model, tmp_path, monkeypatch, da
         (folder / "model.safetensors").unlink()
     calls: list = []
     monkeypatch.setattr(converter, "convert_gguf", _copying_converter(q4_model.path, calls))
-    assert converter.ensure_converted(locate_default_gguf(), folder, quantized=True) == folder
+    assert ensure_converted(locate_default_gguf(), folder, quantized=True) == folder
     assert calls == [True]
     assert json.loads(stamp_file.read_text()) == json.loads((q4_model.path / STAMP_FILE)
                                                             .read_text())

@@ -67,7 +67,7 @@ def test_locators_find_files_in_a_frozen_linux_folder(
 ) -> None:
     """dist/PagedChat/PagedChat with its files under dist/PagedChat/_internal (_MEIPASS)."""
     from app.resources import app_icon_path, resource_path, resources_dir
-    from engine import kernels, models
+    from engine import default_model, kernel_plans
 
     internal = tmp_path / "PagedChat" / "_internal"
     gguf = _copy_shipped_files(internal)
@@ -76,8 +76,8 @@ def test_locators_find_files_in_a_frozen_linux_folder(
     assert resources_dir() == internal / "resources"
     assert resource_path("resources/dark.qss") == internal / "resources" / "dark.qss"
     assert app_icon_path() is not None and app_icon_path().parent == internal / "resources"
-    assert kernels._shaders_root() == internal
-    assert models.locate_default_gguf() == gguf
+    assert kernel_plans.shaders_root() == internal
+    assert default_model.locate_default_gguf() == gguf
 
 
 def test_frozen_locator_never_falls_back_to_the_source_tree(

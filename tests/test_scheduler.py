@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.block_invariants import check_invariants
 from engine.blocks import BlockAllocator
 from engine.config import SamplingParams
 from engine.events import SequenceState
@@ -42,7 +43,7 @@ def test_long_prompt_is_split_into_budgeted_chunks_and_decoders_keep_running() -
         chunks.append(len(by_seq["long"].tokens))
         run(sched, plan)
     assert chunks == [8, 8, 8, 6]
-    sched.alloc.check_invariants([s.table for s in sched.running])
+    check_invariants(sched.alloc, [s.table for s in sched.running])
 
 
 def test_exhausted_pool_preempts_the_latest_admitted_and_keeps_its_tokens() -> None:
@@ -59,7 +60,7 @@ def test_exhausted_pool_preempts_the_latest_admitted_and_keeps_its_tokens() -> N
     assert second.tokens == [9, 8, 7, 6, 5, 4, 3, 1, 1] and sched.waiting[0] is second
     assert [w.seq.session_id for w in plan.works] == ["a"]
     assert sched.preemptions == 1
-    sched.alloc.check_invariants([s.table for s in sched.running])
+    check_invariants(sched.alloc, [s.table for s in sched.running])
 
 
 def test_identical_prompts_arriving_together_compute_their_prefix_once() -> None:
@@ -119,11 +120,11 @@ def test_short_prompt_arriving_during_a_long_one_is_admitted_at_once_and_finishe
     assert steps_to_first_token == 2  # half the budget on admission, then the rest
     assert long.state is SequenceState.PREFILLING  # the short one did not wait for it
     assert all(n >= 4 for n in long_progress)  # the long prompt still advanced every step
-    sched.alloc.check_invariants([s.table for s in sched.running])
+    check_invariants(sched.alloc, [s.table for s in sched.running])
 
 
 def test_a_token_in_flight_is_fed_as_pending_and_resolved_when_read() -> None:
-    from engine.blocks import PENDING
+    from engine.block_table import PENDING
 
     sched = Scheduler(BlockAllocator(16, 4), max_batch=8, prefill_chunk=64)
     seq = make_seq([1, 2, 3], "s")
@@ -137,7 +138,7 @@ def test_a_token_in_flight_is_fed_as_pending_and_resolved_when_read() -> None:
     sched.resolve(seq, 7)  # step 1's token is read while step 2 runs
     seq.tokens.append(7)
     assert seq.table.tokens == [1, 2, 3, 7] and not seq.inflight
-    sched.alloc.check_invariants([seq.table])
+    check_invariants(sched.alloc, [seq.table])
     assert sched.alloc.block_state()[4][seq.table.blocks[0]] == (1, 2, 3, 7)
     seq.inflight = True  # step 2's token is in flight: the reply's last (max_tokens=2)
     assert sched.schedule().works == []  # nothing is computed past the last token

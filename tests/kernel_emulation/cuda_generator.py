@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.kernels import KernelSource, Launch, Ref
+from engine.kernel_plans import KernelSource, Launch, Ref
 from tests.kernel_emulation import generator as gen
 
 CUDA_SHARED_LIMIT = 49152  # bytes of static __shared__ memory per block

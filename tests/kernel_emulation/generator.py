@@ -32,7 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.kernels import KernelSource, Launch, Ref
+from engine.kernel_plans import KernelSource, Launch, Ref
 
 HERE = Path(__file__).resolve().parent
 HEADER = HERE / "metal_emu.h"
@@ -480,7 +480,7 @@ def run_plan(
     plan: list[Launch], *, mode: str = "ordered", extra_flags: tuple[str, ...] = ()
 ) -> list[list[mx.array]]:
     """Execute a launch plan (``engine.kernels.plan_decode``) in the emulator; returns every
-    launch's outputs, like ``engine.kernels.run_plan`` on a Mac."""
+    launch's outputs, like ``engine.kernels.KERNELS.run`` on a Mac."""
     results: list[list[mx.array]] = []
     for launch in plan:
         inputs = resolve_inputs(launch, results)

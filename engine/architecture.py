@@ -1,0 +1,132 @@
+"""Which mlx-lm architectures may run on the paged pool: proven by test, or checked at load.
+
+The paged path (engine/model_adapter.py) hooks into mlx-lm by its extension points, so an
+architecture whose attention goes around them would answer wrongly rather than fail. This
+module keeps that from ever reaching a user: the architectures in ``PROVEN_ARCHITECTURES``
+are proven by ``tests/test_architectures.py``; any other is run once at load through the
+paged path and through mlx-lm's own cache, and refused with a clear message when the two
+disagree. Models that hold no attention K/V at all (state-space layers) are refused by name
+before anything runs. Kept apart from the adapter because it runs once per load, never in a
+step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.errors import ModelLoadError
+from engine.kv_pool import KVPool, KVShape
+from engine.model_adapter import PagedModel, build_step_batch
+from engine.model_folder import LoadedModel
+from engine.work import SequenceWork
+
+logger = logging.getLogger(__name__)
+
+PROVEN_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
+
+_FIX = "choose a transformer model such as llama, qwen2, qwen3, mistral, phi3 or gemma"
+
+
+class _ShapeProbe:
+    """A cache that records the K/V shape each layer produces (one token, no pool)."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self.seen: tuple[int, int, mx.Dtype] | None = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.seen = (keys.shape[1], keys.shape[3], keys.dtype)
+        return keys, values
+
+
+def recurrent_caches(model: nn.Module) -> list[str]:
+    """Names of the cache types the model asks mlx-lm for that hold a recurrent state
+    rather than attention K/V (state-space layers: mamba, hybrids). The paged pool only
+    holds K/V, so a model with any is refused at load, by name, before it is run."""
+    make_cache = getattr(model, "make_cache", None)
+    if make_cache is None:
+        return []  # mlx-lm gives it plain KVCaches
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    return sorted({type(c).__name__ for c in make_cache()
+                   if isinstance(c, ArraysCache | CacheList)})
+
+
+def probe_kv_shape(model: nn.Module) -> KVShape:
+    """Run one token through the model to learn its per-layer K/V shape and dtype."""
+    layers = model.layers
+    probes = [_ShapeProbe() for _ in layers]
+    mx.eval(model(mx.array([[0]], dtype=mx.int32), cache=probes))
+    shapes = {p.seen for p in probes}
+    if None in shapes or len(shapes) != 1:
+        raise ValueError("the model's layers do not share one K/V shape; the paged path needs it")
+    kv_heads, head_dim, dtype = shapes.pop()
+    return KVShape(num_layers=len(layers), num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+
+
+def check_paged_matches(model: nn.Module, shape: KVShape, block_size: int) -> float:
+    """Run a short prompt and three decode steps through the paged path and through mlx-lm's
+    own cache; return the largest logit difference relative to the logits' scale.
+
+    Used at load time for architectures outside PROVEN_ARCHITECTURES: one that agrees runs
+    paged; one that does not is refused with a clear message instead of answering wrongly.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.block_table import BlockTable
+    from engine.blocks import BlockAllocator
+
+    prompt = [(7 * i + 3) % 100 + 1 for i in range(2 * block_size + 3)]
+    feeds = [prompt, [11], [12], [13]]
+    cache = make_prompt_cache(model)
+    pool = KVPool(shape, 8, block_size)
+    alloc = BlockAllocator(8, block_size)
+    paged = PagedModel(model, pool)
+    table = BlockTable(owner="check")
+    worst = 0.0
+    for tokens in feeds:
+        expected = model(mx.array([tokens]), cache=cache)[0, -1].astype(mx.float32)
+        start = table.num_tokens
+        slots = alloc.append(table, tokens).slots
+        got = paged.forward(build_step_batch([SequenceWork(tokens, start, table.blocks, slots)]))
+        alloc.mark_computed(table)
+        diff = mx.abs(got[0].astype(mx.float32) - expected).max()
+        scale = mx.maximum(mx.abs(expected).max(), 1.0)
+        worst = max(worst, (diff / scale).item())
+    return worst
+
+
+def supported_kv_shape(loaded: LoadedModel) -> KVShape:
+    """The model's per-layer K/V shape; a model without attention K/V (a state-space
+    model such as mamba) or with layers the pool cannot hold is refused, by name."""
+    recurrent = recurrent_caches(loaded.model)
+    if recurrent:
+        raise ModelLoadError(
+            f"the {loaded.model_type!r} architecture is not supported: it keeps a "
+            f"recurrent state ({', '.join(recurrent)}) instead of attention keys and "
+            f"values, so it cannot run on PagedChat's paged KV pool; {_FIX}")
+    try:
+        return probe_kv_shape(loaded.model)
+    except Exception as e:
+        raise ModelLoadError(
+            f"the {loaded.model_type!r} architecture is not supported on PagedChat's paged "
+            f"KV pool ({type(e).__name__}: {e}); {_FIX}") from e
+
+
+def verify_architecture(loaded: LoadedModel, shape: KVShape, block_size: int) -> None:
+    """An architecture outside the proven list runs paged only if it agrees with mlx-lm's
+    own cache on a short check; otherwise it is refused, never run wrongly."""
+    if loaded.model_type in PROVEN_ARCHITECTURES:
+        return
+    tolerance = 1e-3 if shape.dtype == mx.float32 else 3e-2
+    error = check_paged_matches(loaded.model, shape, block_size)
+    if error > tolerance:
+        raise ModelLoadError(
+            f"the {loaded.model_type!r} architecture is not supported on PagedChat's paged "
+            f"KV pool (its output differs from mlx-lm's by {error:.1e}): choose a llama, "
+            f"qwen2, qwen3, mistral, phi3 or gemma model"
+        )
+    logger.info("%s verified on the paged path (max rel. diff %.1e)", loaded.model_type, error)

@@ -1,0 +1,54 @@
+"""One sequence's view of the pool: its block ids and the tokens whose slots it holds.
+
+The allocator (engine/blocks.py) owns the blocks; a ``BlockTable`` is what a sequence,
+the scheduler and the model adapter carry around. Kept in a module of its own so that the
+code that only *reads* tables (sequences, the step) needs none of the allocator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+#: A token whose slot is reserved while its value is still being computed (an overlapped
+#: step feeds the previous step's sampled token before the host has read it). A block
+#: holding one is not hashed until ``BlockAllocator.resolve_pending`` fills it in.
+PENDING = -1
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool has no free or evictable block left (the scheduler preempts on this)."""
+
+
+@dataclass(eq=False)
+class BlockTable:
+    """One sequence's blocks and the tokens whose slots it holds, in order.
+
+    ``num_computed`` tokens have their K/V in the pool; the rest have slots reserved for the
+    step that is about to run.
+    """
+
+    owner: str
+    blocks: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    hashes: list[int] = field(default_factory=list)  # chain hash of each full block
+    num_offered_to_cache: int = 0  # leading full blocks already offered to the prefix cache
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """Where the appended tokens' K/V go, and the block copies to run first (copy-on-write)."""
+
+    slots: list[tuple[int, int]]  # (block id, offset in block), one per appended token
+    copies: list[tuple[int, int]]  # (src block, dst block)
+
+
+def chain_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """A full block's name in the prefix cache: its tokens and, through the parent's hash,
+    every token before it (two blocks with the same tokens after different prefixes differ)."""
+    return hash((parent, tuple(tokens)))

@@ -1,0 +1,92 @@
+"""What other threads put in the engine's inbox, and how the engine thread applies it.
+
+The inbox is the only way into the engine thread (docs/ARCHITECTURE.md §3.8): ``submit``,
+``cancel`` and ``stop`` put messages here and return at once. The thread applies them
+between steps, so the scheduler and the output never see two threads. Each function here
+handles one message and contains its own failures: a submission that cannot start ends
+with an error final for that request alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass
+
+from engine.admission import admit
+from engine.config import SamplingParams
+from engine.events import FinishReason
+from engine.handle import RequestHandle
+from engine.output import Output, refuse
+from engine.scheduler import Scheduler
+from engine.telemetry import Telemetry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Submit:
+    request_id: str
+    session_id: str
+    messages: list[dict] | None
+    prompt_tokens: list[int] | None
+    params: SamplingParams
+    handle: RequestHandle
+
+
+@dataclass(frozen=True)
+class Cancel:
+    handle: RequestHandle | None = None  # one request (by handle: ids may be reused)
+    session_id: str | None = None
+
+
+STOP = object()  # ends the thread's loop; everything queued behind it is answered
+
+
+def answer_queued(inbox: queue.Queue, reason: FinishReason, message: str | None,
+                  until_stop: bool = False) -> None:
+    """End every queued submission with ``reason`` (the engine cannot serve them)."""
+    while True:
+        try:
+            item = inbox.get(block=until_stop)
+        except queue.Empty:
+            return
+        if item is STOP:
+            return
+        if isinstance(item, Submit):
+            refuse(item.handle, item.params.n, reason, message)
+
+
+def accept(item: Submit, tokenizer, max_context: int, scheduler: Scheduler, output: Output,
+           telemetry: Telemetry) -> None:
+    """Admit one submission; whatever goes wrong ends this request alone, with an error
+    final for each of its samples, and never reaches the loop's catch-all."""
+    try:
+        request, refusal = admit(
+            item.request_id, item.session_id, item.messages, item.prompt_tokens,
+            item.params, item.handle, tokenizer, max_context,
+        )
+        if refusal is not None:
+            refuse(item.handle, item.handle.n, FinishReason.ERROR, refusal, request)
+            return
+        scheduler.add(request.sequences[0])  # samples 1.. fork after the prompt
+    except Exception as e:
+        logger.exception("request %s could not be accepted", item.request_id)
+        refuse(item.handle, item.handle.n, FinishReason.ERROR,
+               f"the request could not be started: {type(e).__name__}: {e}")
+        return
+    output.requests[request.request_id] = request
+    telemetry.add_session(item.session_id)
+
+
+def cancel(item: Cancel, output: Output, telemetry: Telemetry) -> None:
+    """Cancel one request (matched by its handle) or every request of a session."""
+    if item.handle is not None:
+        request = output.requests.get(item.handle.request_id)
+        if request is not None and request.handle is item.handle:
+            output.finish_request(request, FinishReason.CANCELLED)
+        return
+    requests = output.requests.values()
+    for request in [r for r in requests if r.session_id == item.session_id]:
+        output.finish_request(request, FinishReason.CANCELLED)
+    telemetry.forget_session(item.session_id)

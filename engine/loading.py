@@ -1,0 +1,96 @@
+"""Load wiring: from an ``EngineConfig`` to every object one loaded model's engine runs on.
+
+Loading is the one place where the engine's parts meet: the model decides the pool's shape,
+the memory budget its block count, the backend the attention path, and the scheduler, the
+output and the step runner are bound to that pool. Building all of them here, in one
+function that returns one ``Runtime``, keeps the engine thread's shell (engine/engine.py)
+free of wiring, and makes a restart a matter of dropping one reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine import attention
+from engine.architecture import supported_kv_shape, verify_architecture
+from engine.blocks import BlockAllocator
+from engine.config import EngineConfig, blocks_for_budget, overlap_steps
+from engine.errors import ModelLoadError
+from engine.events import ModelInfo
+from engine.kv_pool import KVPool
+from engine.memory import check_fits
+from engine.model_adapter import PagedModel
+from engine.model_folder import LoadedModel
+from engine.models import load_model
+from engine.output import Output
+from engine.prefill_budget import MIN_PROMPT_TOKENS, PrefillBudget
+from engine.scheduler import Scheduler
+from engine.step import StepRunner
+from engine.telemetry import Telemetry
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the engine thread serves with, for one loaded model (the thread's alone, except
+    ``loaded.tokenizer``, which callers' threads use to count and encode tokens)."""
+
+    loaded: LoadedModel
+    pool: KVPool
+    alloc: BlockAllocator
+    scheduler: Scheduler
+    paged_model: PagedModel
+    output: Output
+    stepper: StepRunner
+    max_context: int
+    model_info: ModelInfo
+
+
+def weights_nbytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters (for the memory check before the pool exists)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def load_runtime(cfg: EngineConfig, telemetry: Telemetry) -> Runtime:
+    """Load ``cfg.model`` and build the pool and everything bound to it.
+
+    Every refusal (a model that cannot load, a budget the machine cannot hold, an
+    architecture the paged path cannot run) is a ``ModelLoadError`` that says what to do,
+    raised before the pool is allocated."""
+    loaded = load_model(cfg.model, cfg.quantized)
+    shape = supported_kv_shape(loaded)
+    num_blocks = blocks_for_budget(shape.bytes_per_token(), cfg.block_size, cfg.kv_memory_mib)
+    try:
+        check_fits(num_blocks * shape.bytes_per_token() * cfg.block_size,
+                   weights_nbytes(loaded.model))
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    use_kernel = cfg.attention == "kernel" or (
+        cfg.attention == "auto" and attention.kernel_available()
+    )
+    verify_architecture(loaded, shape, cfg.block_size)
+    pool = KVPool(shape, num_blocks, cfg.block_size)
+    alloc = BlockAllocator(num_blocks, cfg.block_size)
+    scheduler = Scheduler(alloc, cfg.max_batch, cfg.prefill_chunk)
+    paged_model = PagedModel(loaded.model, pool, use_kernel=use_kernel)
+    max_context = min(cfg.max_context or loaded.max_context, loaded.max_context)
+    output = Output(scheduler, telemetry, set(loaded.tokenizer.eos_token_ids), max_context)
+    prefill = PrefillBudget(cfg.prefill_chunk, MIN_PROMPT_TOKENS, cfg.prefill_target)
+    stepper = StepRunner(scheduler, pool, paged_model, output, telemetry, prefill,
+                         overlap=overlap_steps(cfg, mx.default_device() == mx.gpu))
+    info = ModelInfo(
+        name=loaded.name,
+        model_type=loaded.model_type,
+        max_context=max_context,
+        block_size=cfg.block_size,
+        num_blocks=num_blocks,
+        bytes_per_block=pool.bytes_per_block,
+        attention=(attention.kernel_path() or "reference") if use_kernel else "reference",
+        path=str(loaded.path),
+    )
+    return Runtime(loaded, pool, alloc, scheduler, paged_model, output, stepper, max_context,
+                   info)

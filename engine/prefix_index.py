@@ -1,0 +1,77 @@
+"""The prefix cache's index: which block holds the K/V of which full-block prefix.
+
+Two maps, both keyed by a block's chain hash (engine/block_table.py ``chain_hash``):
+
+* *named* blocks: full, computed blocks whose K/V a later prompt with the same prefix may
+  reuse. At most one block carries a hash, so two chats that computed the same prefix at
+  once keep one named copy and the other stays private;
+* *pending* hashes: full blocks whose slots are reserved but whose K/V a running step is
+  still computing. A prompt that would reuse one waits a step instead of computing it twice.
+
+Kept apart from the allocator's free list and refcounts (engine/blocks.py) because it
+answers a different question, "is this content already in the pool?", and has invariants
+of its own.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+
+class PrefixIndex:
+    def __init__(self, num_blocks: int) -> None:
+        self._hash: list[int | None] = [None] * num_blocks
+        self._by_hash: dict[int, int] = {}
+        self._pending: Counter[int] = Counter()
+
+    # ---- named blocks -------------------------------------------------------------------
+
+    def block_for(self, h: int) -> int | None:
+        """The block named ``h``, if any."""
+        return self._by_hash.get(h)
+
+    def is_named(self, block: int) -> bool:
+        return self._hash[block] is not None
+
+    def name(self, block: int, h: int) -> None:
+        """Name ``block`` by ``h`` unless it or that content is named already."""
+        if self._hash[block] is None and h not in self._by_hash:
+            self._hash[block] = h
+            self._by_hash[h] = block
+
+    def drop(self, block: int) -> None:
+        """Forget ``block``'s name (it is being reused for other content)."""
+        del self._by_hash[self._hash[block]]
+        self._hash[block] = None
+
+    def named_flags(self) -> tuple[bool, ...]:
+        return tuple(h is not None for h in self._hash)
+
+    # ---- pending hashes -----------------------------------------------------------------
+
+    def pend(self, h: int) -> None:
+        self._pending[h] += 1
+
+    def unpend(self, h: int) -> None:
+        self._pending[h] -= 1
+        if not self._pending[h]:
+            del self._pending[h]
+
+    def is_pending(self, h: int) -> bool:
+        return h in self._pending
+
+    # ---- invariants (tests) -------------------------------------------------------------
+
+    def check_invariants(self, pending: Counter[int], full: Iterable[int]) -> None:
+        """Raise AssertionError unless the pending hashes equal ``pending`` (counted from
+        the tables), no two blocks share a name, the index is not stale, and every named
+        block is in ``full``."""
+        assert pending == self._pending, "pending-block index differs from the tables"
+        hashed = [b for b, h in enumerate(self._hash) if h is not None]
+        assert len({self._hash[b] for b in hashed}) == len(hashed), "two blocks share a hash"
+        assert all(self._by_hash[self._hash[b]] == b for b in hashed), "hash index is stale"
+        assert len(self._by_hash) == len(hashed), "hash index holds dropped blocks"
+        full = set(full)
+        for block in hashed:
+            assert block in full, f"cached block {block} is not full"
