@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine import attention
+from engine import attention, fallback
 from engine.admission import admit, apply_template
 from engine.blocks import BlockAllocator
 from engine.config import (
@@ -46,7 +46,7 @@ from engine.model_adapter import (
     recurrent_caches,
     weights_nbytes,
 )
-from engine.models import LoadedModel, load_model
+from engine.models import LoadedModel, dtype_name, load_model
 from engine.output import Output, refuse
 from engine.prefill_budget import MIN_PROMPT_TOKENS, PrefillBudget
 from engine.scheduler import Scheduler
@@ -282,7 +282,13 @@ class Engine:
     def _load(self) -> None:
         cfg = self.config
         loaded = load_model(cfg.model, cfg.quantized)
-        shape = self._kv_shape(loaded)
+        try:
+            shape = self._kv_shape(loaded)
+            if loaded.model_type not in PROVEN_ARCHITECTURES:
+                self._verify_architecture(loaded, shape)
+        except ModelLoadError as refused:  # mlx-lm's own batching serves it, unpaged
+            self._load_fallback(loaded, str(refused))
+            return
         num_blocks = blocks_for_budget(shape.bytes_per_token(), cfg.block_size, cfg.kv_memory_mib)
         try:
             check_fits(num_blocks * shape.bytes_per_token() * cfg.block_size,
@@ -292,8 +298,6 @@ class Engine:
         use_kernel = cfg.attention == "kernel" or (
             cfg.attention == "auto" and attention.kernel_available()
         )
-        if loaded.model_type not in PROVEN_ARCHITECTURES:
-            self._verify_architecture(loaded, shape)
         self.pool = KVPool(shape, num_blocks, cfg.block_size)
         self.alloc = BlockAllocator(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.alloc, cfg.max_batch, cfg.prefill_chunk)
@@ -315,6 +319,33 @@ class Engine:
             bytes_per_block=self.pool.bytes_per_block,
             attention=(attention.kernel_path() or "reference") if use_kernel else "reference",
             path=str(loaded.path),
+            kv_dtype=dtype_name(shape.dtype),
+        )
+        self._publish(force=True)
+
+    def _load_fallback(self, loaded: LoadedModel, reason: str) -> None:
+        """The hook for engine/fallback.py: the same loop, Output and API, on mlx-lm's
+        BatchGenerator instead of the pool."""
+        cfg = self.config
+        try:
+            check_fits(0, weights_nbytes(loaded.model))
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
+        logger.info("%s runs on mlx-lm's own cache: %s", loaded.model_type, reason)
+        self.max_context = min(cfg.max_context or loaded.max_context, loaded.max_context)
+        self.alloc = fallback.NoPool(cfg.block_size)
+        self.scheduler = fallback.FallbackScheduler(cfg.max_batch)
+        self.output = Output(self.scheduler, self.telemetry,
+                             set(loaded.tokenizer.eos_token_ids), self.max_context)
+        self.stepper = fallback.FallbackRunner(loaded.model, self.scheduler, self.output,
+                                               self.telemetry, self.max_context,
+                                               cfg.prefill_chunk)
+        self._loaded = loaded
+        self.model_info = ModelInfo(
+            name=loaded.name, model_type=loaded.model_type, max_context=self.max_context,
+            block_size=cfg.block_size, num_blocks=0, bytes_per_block=0,
+            attention=fallback.ATTENTION_NAME, path=str(loaded.path),
+            kv_dtype=dtype_name(loaded.dtype), paged=False, not_paged_reason=reason,
         )
         self._publish(force=True)
 
@@ -339,7 +370,12 @@ class Engine:
         """An architecture outside the proven list runs paged only if it agrees with mlx-lm's
         own cache on a short check; otherwise it is refused, never run wrongly."""
         tolerance = 1e-3 if shape.dtype == mx.float32 else 3e-2
-        error = check_paged_matches(loaded.model, shape, self.config.block_size)
+        try:
+            error = check_paged_matches(loaded.model, shape, self.config.block_size)
+        except Exception as e:  # e.g. attention sinks: the paged router refuses them
+            raise ModelLoadError(
+                f"the {loaded.model_type!r} architecture is not supported on PagedChat's paged "
+                f"KV pool ({type(e).__name__}: {e})") from e
         if error > tolerance:
             raise ModelLoadError(
                 f"the {loaded.model_type!r} architecture is not supported on PagedChat's paged "
@@ -349,10 +385,12 @@ class Engine:
         logger.info("%s verified on the paged path (max rel. diff %.1e)", loaded.model_type, error)
 
     def _publish(self, force: bool = False) -> None:
+        info = self.model_info
         self.telemetry.maybe_snapshot(
             self.alloc, self.scheduler, self.output.requests.values(),
-            self.pool.bytes_per_block, self.model_info.name if self.model_info else "",
-            force=force,
+            info.bytes_per_block if info else 0, info.name if info else "",
+            force=force, paged=info.paged if info else True,
+            kv_dtype=info.kv_dtype if info else "",
         )
 
     def _answer_queued(self, reason: FinishReason, message: str | None,

@@ -242,6 +242,11 @@ def compute_dtype(model: nn.Module) -> mx.Dtype:
     return floats[0].dtype if floats else mx.float32
 
 
+def dtype_name(dtype: mx.Dtype) -> str:
+    """"bfloat16" for mx.bfloat16: the spelling config.json files (and the UI) use."""
+    return str(dtype).rpartition(".")[2]
+
+
 def _flat_parameters(model: nn.Module) -> list[tuple[str, mx.array]]:
     from mlx.utils import tree_flatten
 

@@ -1,0 +1,142 @@
+"""The fallback engine: an architecture that fails the paged check runs on mlx-lm's own
+BatchGenerator behind the same public Engine API (engine/fallback.py).
+
+The model is a tiny random Gemma 3 whose sliding-window layers disagree with the paged path
+(the load-time check refuses it); the references are mlx-lm's own generation on a separate
+copy of the same folder.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from mlx_lm import stream_generate
+
+from engine import Engine, EngineConfig, FinishReason, SamplingParams, TokenEvent
+from tests.reference import collect, reference_model, wait_until
+from tests.tiny_model import GEMMA3, make_tiny_model, reference_copy
+
+PROMPT_LENGTHS = (5, 17, 30)
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("fallback") / "tiny-gemma3",
+                           reference_model().path, config=GEMMA3)
+
+
+@pytest.fixture(scope="module")
+def engine(gemma3):
+    eng = Engine(EngineConfig(model=str(gemma3), kv_memory_mib=8, block_size=8, max_batch=8))
+    eng.start()
+    assert eng.wait_ready(300), eng.load_error
+    yield eng
+    eng.stop()
+
+
+def prompts() -> list[list[int]]:
+    return [[(5 * i + 7 * j) % 97 + 3 for i in range(n)] for j, n in enumerate(PROMPT_LENGTHS)]
+
+
+def mlx_lm_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    model, tokenizer = reference_copy(str(folder))
+    out = []
+    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+        out.append(r.token)
+        if r.finish_reason is not None:
+            break
+    return out
+
+
+def test_a_refused_architecture_loads_unpaged_and_says_why(engine):
+    info = engine.model_info
+    assert info.model_type == "gemma3_text" and not info.paged
+    assert info.attention == "mlx-lm" and info.num_blocks == 0
+    assert "differs from mlx-lm's" in info.not_paged_reason
+    snap = engine.snapshot()
+    assert not snap.paged and snap.num_blocks == 0
+
+
+def test_concurrent_greedy_replies_equal_mlx_lm_and_share_steps(engine, gemma3):
+    """Three ragged prompts at once: each greedy reply equals mlx-lm's own generation token
+    for token, and they ran in one batch (fewer engine steps than tokens generated)."""
+    before = engine.snapshot().counters
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    handles = [engine.submit(prompt_tokens=p, params=params, session_id=f"chat-{j}")
+               for j, p in enumerate(prompts())]
+    results = [collect(h) for h in handles]
+    generated = 0
+    for prompt, (tokens, finals) in zip(prompts(), results):
+        assert finals[0].finish_reason is FinishReason.LENGTH, finals[0].error
+        assert tokens[0] == mlx_lm_greedy(gemma3, prompt, MAX_TOKENS)
+        assert finals[0].usage.generated_tokens == MAX_TOKENS
+        generated += len(tokens[0])
+    # The snapshot that counted every one of these tokens (published at the latest when the
+    # engine went idle) also counted the steps they took: one at a time would be >= 60.
+    wait_until(lambda: engine.snapshot().counters.generated_tokens
+               == before.generated_tokens + generated, timeout=60)
+    steps = engine.snapshot().counters.steps - before.steps
+    assert steps < generated, (steps, generated)
+
+
+def test_cancel_ends_one_reply_and_the_others_go_on(engine, gemma3):
+    params = SamplingParams(temperature=0.0, max_tokens=400)
+    first_token = threading.Event()
+    long = engine.submit(prompt_tokens=prompts()[2], params=params, session_id="long")
+    short = engine.submit(prompt_tokens=prompts()[0],
+                          params=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                          session_id="short")
+    got = []
+    for event in long:
+        if isinstance(event, TokenEvent):
+            got.extend(event.token_ids)
+            if not first_token.is_set():
+                first_token.set()
+                long.cancel()
+        else:
+            final = event
+    assert final.finish_reason is FinishReason.CANCELLED
+    assert 0 < len(got) < 400
+    tokens, finals = collect(short)
+    assert finals[0].finish_reason is FinishReason.LENGTH
+    assert tokens[0] == mlx_lm_greedy(gemma3, prompts()[0], MAX_TOKENS)
+
+
+def test_samples_and_seeds_work_unpaged(engine):
+    """n = 2 gives two finals; a seeded sampled request replays exactly when run alone."""
+    params = SamplingParams(temperature=0.8, max_tokens=12, seed=7, n=2)
+    a, fa = collect(engine.submit(prompt_tokens=prompts()[1], params=params))
+    b, fb = collect(engine.submit(prompt_tokens=prompts()[1], params=params))
+    assert sorted(fa) == [0, 1] and all(f.finish_reason is FinishReason.LENGTH
+                                        for f in fa.values())
+    assert a == b
+    assert a[0] != a[1]  # two samples with their own keys
+
+
+def test_monitor_shows_the_not_paged_view(engine, qtbot, qasync_loop, app_env):
+    """The KV monitor has no blocks to draw: its not-paged page names the model, explains
+    and counts the chats generating, live."""
+    from tests.app_helpers import WAIT_MS, open_window
+
+    h = open_window(qtbot, app_env, engine)
+    try:
+        panel = h.window.monitor_dock.widget()
+        qtbot.waitUntil(lambda: panel.pages.currentWidget() is panel.not_paged,
+                        timeout=WAIT_MS)
+        text = panel.not_paged.text()
+        assert "tiny-gemma3 is not paged" in text and "mlx-lm's own KV cache" in text
+        assert "differs from mlx-lm's" in panel.not_paged.toolTip()
+        handle = engine.submit(prompt_tokens=prompts()[0],
+                               params=SamplingParams(temperature=0.0, max_tokens=4000),
+                               session_id="monitored")
+        qtbot.waitUntil(lambda: "1 chat generating" in panel.not_paged.text(),
+                        timeout=WAIT_MS)
+        handle.cancel()
+        qtbot.waitUntil(lambda: "0 chats generating" in panel.not_paged.text(),
+                        timeout=WAIT_MS)
+        assert not panel.block_map.isVisible()
+    finally:
+        h.close()
