@@ -38,6 +38,7 @@ from app.core.generation_defaults import model_defaults
 from app.core.providers import ProviderRegistry
 from app.core.records import ChatSettings
 from app.dock_fit import DockFitter
+from app.models_window import ModelsWindow
 from app.monitor import create_monitor_dock
 from app.pane_deck import MAX_PANES, PaneDeck
 from app.qt_util import from_b64, to_b64
@@ -47,7 +48,7 @@ from app.settings_dialog import SettingsDialog
 from app.sidebar import Sidebar
 from app.storage_banner import attach_storage_banner
 from app.theme import theme_manager
-from engine import SamplingParams
+from engine import SamplingParams, cache_dir
 
 LAYOUT_KEY = "window_layout"
 APP_NAME = "PagedChat"
@@ -68,6 +69,7 @@ class MainWindow(QMainWindow):
         self.setWindowTitle(APP_NAME)
         self.setAccessibleName(APP_NAME)
         self.store = store
+        self.models_window: ModelsWindow | None = None
         self.bridge = bridge
         self.settings = settings or AppSettings.load(store)
         self.registry = ProviderRegistry(store)
@@ -308,6 +310,23 @@ class MainWindow(QMainWindow):
         name = self.settings.model_label()
         self.banner.show_status(status, name, self.bridge.load_error)
         self.model_button.show_status(status, name, self.bridge.model_info)
+
+    def open_models(self) -> None:
+        """The Models window (one per main window; a download goes on while it is hidden)."""
+        if self.models_window is None:
+            self.models_window = ModelsWindow(
+                self.store, cache_dir() / "downloads", self.switch_model,
+                lambda: self.settings.model_spec(), secrets.get_hf_token, self)
+        self.models_window.refresh()
+        self.models_window.show()
+        self.models_window.raise_()
+        self.models_window.activateWindow()
+
+    def switch_model(self, spec: str) -> bool:
+        """Load another model by the settings path: the engine restarts, chats stay."""
+        new = dataclasses.replace(self.settings)
+        new.set_model_spec(spec)
+        return self.apply_settings(new)
 
     def open_settings(self, tab: str | None = None) -> None:
         dialog = SettingsDialog(self.settings, self, registry=self.registry)

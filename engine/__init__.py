@@ -27,9 +27,14 @@ from engine.events import (
     Usage,
 )
 from engine.handle import RequestHandle
+from engine.model_adapter import PROVEN_ARCHITECTURES
+from engine.models import DEFAULT_NAME as DEFAULT_MODEL_NAME
+from engine.models import cache_dir, context_limit, locate_default_gguf
 
 __all__ = [
     "BLOCK_SIZES",
+    "DEFAULT_MODEL_NAME",
+    "PROVEN_ARCHITECTURES",
     "REPO_ID_PATTERN",
     "Counters",
     "Engine",
@@ -48,5 +53,8 @@ __all__ = [
     "TokenEvent",
     "Usage",
     "blocks_for_budget",
+    "cache_dir",
+    "context_limit",
+    "locate_default_gguf",
     "looks_like_repo_id",
 ]

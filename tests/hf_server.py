@@ -11,7 +11,9 @@ Endpoints (as huggingface_hub 2.x asks for them, see ``HfApi.model_info`` and
 * ``GET`` of the same with an optional ``Range: bytes=N-`` (206 and Content-Range).
 
 Faults: ``drop_once[file] = n`` sends the first n bytes of the next GET of ``file`` and
-closes the connection; ``fail[file] = status`` answers every GET of it with that status.
+closes the connection; ``fail[file] = status`` answers every GET of it with that status;
+``hold[file] = Event()`` sends half of the next GET of ``file`` and the rest once the Event
+is set (a download the test can cancel while it is surely in flight).
 Every request is logged (method, path, Range), so a test can prove which bytes were fetched.
 The server binds 127.0.0.1 on a free port and shuts itself down after ``LIFETIME_S``.
 """
@@ -46,6 +48,7 @@ class HubState:
     gated: set[str] = field(default_factory=set)
     drop_once: dict[str, int] = field(default_factory=dict)
     fail: dict[str, int] = field(default_factory=dict)
+    hold: dict[str, threading.Event] = field(default_factory=dict)
     log: list[Logged] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -98,6 +101,9 @@ class _Handler(BaseHTTPRequestHandler):
         api = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/[^/]+)?", path)
         if api:
             return self._model_info(api.group(1))
+        tree = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/[^/]+/?", path)
+        if tree:  # HfApi.list_repo_tree, which snapshot_download calls
+            return self._tree(tree.group(1))
         resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
         if not resolve:
             return self._error(404, "EntryNotFound")
@@ -131,6 +137,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _tree(self, repo: str) -> None:
+        folder = self.state.repos.get(repo)
+        if folder is None:
+            return self._error(404, "RepoNotFound", "Repository not found")
+        body = json.dumps([
+            {"type": "file", "path": n, "size": p.stat().st_size,
+             "oid": hashlib.sha1(p.read_bytes()).hexdigest()}
+            for n, p in _files(folder).items()]).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def _send_file(self, file: Path, name: str, head: bool, entry: Logged) -> None:
         data = file.read_bytes()
         start = 0
@@ -147,6 +167,21 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         self.end_headers()
         if head:
+            return
+        hold = self.state.hold.get(name)
+        if hold is not None:  # half now, the rest once the test releases it
+            half = len(body) // 2
+            self.wfile.write(body[:half])
+            self.wfile.flush()
+            entry.sent = half
+            if not hold.wait(60):
+                return
+            del self.state.hold[name]
+            try:
+                self.wfile.write(body[half:])
+            except ConnectionError:
+                return
+            entry.sent = len(body)
             return
         cut = self.state.drop_once.pop(name, None)
         if cut is not None:
