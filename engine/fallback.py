@@ -102,11 +102,10 @@ def _sampler(seq: Sequence):
     filters and its per-request PRNG key, so seeds mean the same on both paths. The
     repetition penalty is mlx-lm's logits processor (it sees the logits first)."""
     params = dataclasses.replace(seq.request.params, repetition_penalty=1.0)
-    state = {"key": seq.key}
 
     def sample(logprobs: mx.array) -> mx.array:
-        tokens, keys = sample_rows(logprobs, [SamplingRow(params, (), state["key"])])
-        state["key"] = keys[0]
+        tokens, keys = sample_rows(logprobs, [SamplingRow(params, (), seq.key)])
+        seq.key = keys[0]  # kept on the sequence: a row queued again continues its chain
         return tokens
 
     return sample
@@ -124,12 +123,14 @@ class FallbackRunner:
         self.telemetry = telemetry
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
+        #: Rows per batch; 1 once mlx-lm failed to batch this model (see step()).
+        self.max_rows = scheduler.max_batch
         self._new_generator()
 
     def _new_generator(self) -> None:
         from mlx_lm.generate import BatchGenerator
 
-        max_batch = self.scheduler.max_batch
+        max_batch = self.max_rows
         self.generator = BatchGenerator(
             self.model,
             completion_batch_size=max_batch,
@@ -169,12 +170,27 @@ class FallbackRunner:
         try:
             self._insert_waiting()
             _, responses = self.generator.next()
-        except Exception as e:  # the batch is in an unknown state: end its rows, start anew
+        except Exception as e:  # the batch is in an unknown state: start a new generator
+            rows = list(sched.by_uid.values())
+            self.generator.close()
+            if len(rows) > 1 and self.max_rows > 1:
+                # Some mlx-lm models fail only when batched (gemma2's mask does not broadcast
+                # over a ragged batch): serve one row at a time from now on. The rows are
+                # queued again with their tokens so far, nothing emitted is lost.
+                logger.warning("mlx-lm cannot batch this model (%s: %s); serving one chat "
+                               "at a time", type(e).__name__, e)
+                self.max_rows = 1
+                sched.by_uid.clear()
+                sched.uid_of.clear()
+                for seq in reversed(rows):
+                    seq.state = SequenceState.WAITING
+                    sched.waiting.appendleft(seq)
+                self._new_generator()
+                return
             logger.exception("fallback step failed")
             message = f"generation failed: {type(e).__name__}: {e}"
-            for seq in list(sched.by_uid.values()) + list(sched.waiting):
+            for seq in rows + list(sched.waiting):
                 self.output.finish(seq, FinishReason.ERROR, message)
-            self.generator.close()
             self._new_generator()
             return
         forward = time.perf_counter() - start

@@ -16,7 +16,7 @@ from mlx_lm import stream_generate
 
 from engine import Engine, EngineConfig, FinishReason, SamplingParams, TokenEvent
 from tests.reference import collect, reference_model, wait_until
-from tests.tiny_model import GEMMA3, make_tiny_model, reference_copy
+from tests.tiny_model import GEMMA2, GEMMA3, make_tiny_model, reference_copy
 
 PROMPT_LENGTHS = (5, 17, 30)
 MAX_TOKENS = 20
@@ -140,3 +140,42 @@ def test_monitor_shows_the_not_paged_view(engine, qtbot, qasync_loop, app_env):
         assert not panel.block_map.isVisible()
     finally:
         h.close()
+
+
+def test_a_model_mlx_lm_cannot_batch_is_served_one_chat_at_a_time(tmp_path):
+    """mlx-lm's gemma2 fails under its own BatchGenerator as soon as ragged prompts share a
+    prefill (its attention mask does not broadcast over the batch); the fallback then serves
+    one row at a time, re-feeding each row's tokens, so the replies still equal mlx-lm's own
+    generation and nothing fails. Driven below the engine's inbox, so both prompts are surely
+    queued before the first step."""
+    from engine.admission import admit
+    from engine.fallback import FallbackRunner, FallbackScheduler
+    from engine.handle import RequestHandle
+    from engine.models import load_folder
+    from engine.output import Output
+    from engine.telemetry import Telemetry
+
+    folder = make_tiny_model(tmp_path / "tiny-gemma2", reference_model().path, config=GEMMA2)
+    loaded = load_folder(folder)
+    sched = FallbackScheduler(max_batch=8)
+    telemetry = Telemetry()
+    output = Output(sched, telemetry, set(loaded.tokenizer.eos_token_ids), 512)
+    runner = FallbackRunner(loaded.model, sched, output, telemetry, 512, prefill_chunk=256)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    handles = []
+    for j, prompt in enumerate(prompts()):
+        handle = RequestHandle(f"r{j}", f"s{j}", 1, lambda h: None)
+        request, refusal = admit(f"r{j}", f"s{j}", None, prompt, params, handle,
+                                 loaded.tokenizer, 512)
+        assert refusal is None
+        output.requests[request.request_id] = request
+        sched.add(request.sequences[0])
+        handles.append(handle)
+    while sched.has_work:
+        runner.step()
+    runner.discard_inflight()
+    assert runner.max_rows == 1  # batching failed once, then one row at a time
+    for prompt, handle in zip(prompts(), handles):
+        tokens, finals = collect(handle)
+        assert finals[0].finish_reason is FinishReason.LENGTH, finals[0].error
+        assert tokens[0] == mlx_lm_greedy(folder, prompt, MAX_TOKENS)

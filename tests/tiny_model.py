@@ -53,6 +53,10 @@ def budget_mib(num_blocks: int, block_size: int) -> float:
 GEMMA3 = {**CONFIG, "model_type": "gemma3_text", "sliding_window": 8,
           "sliding_window_pattern": 2, "query_pre_attn_scalar": 16}
 
+#: A tiny gemma2 (soft-capped attention logits): refused by the paged check, and mlx-lm's own
+#: batching fails on it, so the fallback serves it one row at a time.
+GEMMA2 = {**CONFIG, "model_type": "gemma2", "query_pre_attn_scalar": 16}
+
 
 def make_tiny_model(folder: Path, tokenizer_folder: Path, seed: int = 0,
                     config: dict | None = None, dtype: mx.Dtype | None = None) -> Path:
