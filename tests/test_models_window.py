@@ -193,3 +193,22 @@ def test_load_switches_the_engine_and_chats_stay(window, tiny, hub, qtbot):
     w.select_spec(str(tiny))
     qtbot.mouseClick(w.remove_button, Qt.MouseButton.LeftButton)
     assert "is the loaded model" in w.status.text()
+
+
+def test_a_gated_download_uses_the_token_from_the_keychain(window, tiny, hub, qtbot):
+    from app.core import secrets
+    from tests.hf_server import GOOD_TOKEN
+
+    hub.add("meta-llama/gated-window", tiny, gated=True)
+    w = open_models(window)
+    qtbot.keyClicks(w.repo_edit, "meta-llama/gated-window")
+    qtbot.mouseClick(w.download_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: "gated model" in w.status.text(), timeout=WAIT_MS)
+    assert "add your Hugging Face token in Settings" in w.status.text()
+    secrets.set_hf_token(GOOD_TOKEN)  # as Settings stores it
+    try:
+        qtbot.mouseClick(w.download_button, Qt.MouseButton.LeftButton)
+        qtbot.waitUntil(lambda: w.status.text().startswith("Downloaded"), timeout=WAIT_MS)
+    finally:
+        secrets.set_hf_token(None)
+    assert row_of(w, "meta-llama/gated-window") is not None
