@@ -178,3 +178,22 @@ def test_a_repo_that_is_no_mlx_lm_model_is_refused(hub, model_folder, tmp_path):
     with pytest.raises(DownloadError, match="not an mlx-lm model: it has no config.json"):
         Download("someone/no-config", tmp_path / "dl").run()
     assert not [r for r in hub.state.log if r.path.endswith("/" + WEIGHTS) and r.method == "GET"]
+
+
+def test_a_part_of_a_file_that_changed_on_the_hub_is_started_again(hub, model_folder,
+                                                                     tmp_path, monkeypatch):
+    """A .part is continued only while the server's ETag is the one it was started with: a
+    file replaced on the Hub meanwhile is fetched whole, never spliced onto old bytes."""
+    monkeypatch.setattr(downloads, "PROGRESS_INTERVAL_S", 0.0)
+    size = (model_folder / WEIGHTS).stat().st_size
+    first = Download(REPO, tmp_path)
+    first.on_progress = lambda p: first.cancel() if p.file == WEIGHTS and \
+        p.fetched > size // 3 else None
+    with pytest.raises(DownloadCancelled):
+        first.run()
+    assert _part(first) > 0
+    changed = make_tiny_model(tmp_path / "changed", reference_model().path, seed=1)
+    hub.state.repos[REPO] = changed  # same commit id from this server, new file contents
+    folder = Download(REPO, tmp_path).run()
+    assert (folder / WEIGHTS).read_bytes() == (changed / WEIGHTS).read_bytes()
+    assert hub.state.gets(WEIGHTS)[-1].range is None

@@ -138,6 +138,8 @@ def test_monitor_shows_the_not_paged_view(engine, qtbot, qasync_loop, app_env):
         qtbot.waitUntil(lambda: "0 chats generating" in panel.not_paged.text(),
                         timeout=WAIT_MS)
         assert not panel.block_map.isVisible()
+        assert h.window.pool_label.text().startswith("Not paged")
+        assert "not paged" in h.window.model_button.toolTip()
     finally:
         h.close()
 

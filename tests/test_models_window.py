@@ -212,3 +212,16 @@ def test_a_gated_download_uses_the_token_from_the_keychain(window, tiny, hub, qt
     finally:
         secrets.set_hf_token(None)
     assert row_of(w, "meta-llama/gated-window") is not None
+
+
+def test_show_in_files_opens_the_models_folder(window, tiny, hub, qtbot, monkeypatch):
+    """The file manager itself is not started in a test: the URL handed to Qt's desktop
+    services is recorded instead."""
+    from PySide6.QtGui import QDesktopServices
+
+    opened = []
+    monkeypatch.setattr(QDesktopServices, "openUrl", staticmethod(opened.append))
+    w = open_models(window)
+    assert w.add_user_folder(tiny)
+    qtbot.mouseClick(w.reveal_button, Qt.MouseButton.LeftButton)
+    assert [u.toLocalFile() for u in opened] == [str(tiny)]
