@@ -286,8 +286,8 @@ class Engine:
             shape = self._kv_shape(loaded)
             if loaded.model_type not in PROVEN_ARCHITECTURES:
                 self._verify_architecture(loaded, shape)
-        except ModelLoadError as refused:  # mlx-lm's own batching serves it, unpaged
-            self._load_fallback(loaded, str(refused))
+        except fallback.NotPaged as reason:  # mlx-lm's own batching serves it, unpaged
+            self._load_fallback(loaded, str(reason))
             return
         num_blocks = blocks_for_budget(shape.bytes_per_token(), cfg.block_size, cfg.kv_memory_mib)
         try:
@@ -351,37 +351,34 @@ class Engine:
 
     def _kv_shape(self, loaded: LoadedModel) -> KVShape:
         """The model's per-layer K/V shape; a model without attention K/V (a state-space
-        model such as mamba) or with layers the pool cannot hold is refused, by name."""
-        fix = "choose a transformer model such as llama, qwen2, qwen3, mistral, phi3 or gemma"
+        model such as mamba) or with layers the pool cannot hold is not paged, by name."""
         recurrent = recurrent_caches(loaded.model)
         if recurrent:
-            raise ModelLoadError(
-                f"the {loaded.model_type!r} architecture is not supported: it keeps a "
-                f"recurrent state ({', '.join(recurrent)}) instead of attention keys and "
-                f"values, so it cannot run on PagedChat's paged KV pool; {fix}")
+            raise fallback.NotPaged(
+                f"the {loaded.model_type!r} architecture keeps a recurrent state "
+                f"({', '.join(recurrent)}) instead of attention keys and values, so it cannot "
+                "run on PagedChat's paged KV pool")
         try:
             return probe_kv_shape(loaded.model)
         except Exception as e:
-            raise ModelLoadError(
-                f"the {loaded.model_type!r} architecture is not supported on PagedChat's paged "
-                f"KV pool ({type(e).__name__}: {e}); {fix}") from e
+            raise fallback.NotPaged(
+                f"the {loaded.model_type!r} architecture does not run on PagedChat's paged KV "
+                f"pool ({type(e).__name__}: {e})") from e
 
     def _verify_architecture(self, loaded: LoadedModel, shape: KVShape) -> None:
         """An architecture outside the proven list runs paged only if it agrees with mlx-lm's
-        own cache on a short check; otherwise it is refused, never run wrongly."""
+        own cache on a short check; otherwise it is not paged (never run wrongly)."""
         tolerance = 1e-3 if shape.dtype == mx.float32 else 3e-2
         try:
             error = check_paged_matches(loaded.model, shape, self.config.block_size)
         except Exception as e:  # e.g. attention sinks: the paged router refuses them
-            raise ModelLoadError(
-                f"the {loaded.model_type!r} architecture is not supported on PagedChat's paged "
-                f"KV pool ({type(e).__name__}: {e})") from e
+            raise fallback.NotPaged(
+                f"the {loaded.model_type!r} architecture does not run on PagedChat's paged KV "
+                f"pool ({type(e).__name__}: {e})") from e
         if error > tolerance:
-            raise ModelLoadError(
-                f"the {loaded.model_type!r} architecture is not supported on PagedChat's paged "
-                f"KV pool (its output differs from mlx-lm's by {error:.1e}): choose a llama, "
-                f"qwen2, qwen3, mistral, phi3 or gemma model"
-            )
+            raise fallback.NotPaged(
+                f"the {loaded.model_type!r} architecture does not run on PagedChat's paged KV "
+                f"pool (its output differs from mlx-lm's by {error:.1e})")
         logger.info("%s verified on the paged path (max rel. diff %.1e)", loaded.model_type, error)
 
     def _publish(self, force: bool = False) -> None:

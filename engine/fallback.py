@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 ATTENTION_NAME = "mlx-lm"
 
 
+class NotPaged(Exception):
+    """Why a model cannot run on the paged pool (the engine then loads it here)."""
+
+
 class NoPool:
     """The allocator the snapshot reads, for a model without a block pool: no blocks."""
 

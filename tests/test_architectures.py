@@ -218,7 +218,8 @@ def test_engine_verifies_an_unproven_architecture_when_it_loads(tmp_path, arch, 
     if accepted:
         assert info.not_paged_reason == "" and info.num_blocks > 0
     else:
-        assert f"the '{arch}' architecture is not supported" in info.not_paged_reason
+        assert f"the '{arch}' architecture does not run on PagedChat's paged KV pool" in \
+            info.not_paged_reason
         assert "differs from mlx-lm's" in info.not_paged_reason
         assert info.attention == "mlx-lm" and snap.num_blocks == 0
     model, tokenizer = mlx_lm_load(str(folder))
