@@ -316,7 +316,8 @@ class MainWindow(QMainWindow):
         if self.models_window is None:
             self.models_window = ModelsWindow(
                 self.store, cache_dir() / "downloads", self.switch_model,
-                lambda: self.settings.model_spec(), secrets.get_hf_token, self)
+                lambda: self.settings.model_spec(), secrets.get_hf_token, self,
+                loaded_info=lambda: self.bridge.model_info)
         self.models_window.refresh()
         self.models_window.show()
         self.models_window.raise_()

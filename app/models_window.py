@@ -9,6 +9,7 @@ GUI thread as queued signals, so the window never waits on the network.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +35,13 @@ from PySide6.QtWidgets import (
 
 from app.confirm import confirm_destructive
 from app.core import model_catalog
-from app.core.downloads import Download, DownloadCancelled, DownloadError, Progress
+from app.core.downloads import (
+    Download,
+    DownloadCancelled,
+    DownloadError,
+    Progress,
+    is_partial,
+)
 from app.core.model_catalog import CURATED, SOURCE_LABELS, CuratedModel, InstalledModel
 
 PROGRESS_STEPS = 1000
@@ -69,6 +76,14 @@ def human_time(seconds: float | None) -> str:
 def describe_progress(p: Progress) -> str:
     return (f"{p.file or p.repo_id}: {human_bytes(p.done)} of {human_bytes(p.total)} · "
             f"{human_bytes(p.speed)}/s · {human_time(p.eta_s)}")
+
+
+def unfinished_downloads(root: Path) -> list[str]:
+    """Repo ids of the downloads below ``root`` that were started and not finished."""
+    if not root.is_dir():
+        return []
+    return sorted(f.name.replace("--", "/", 1) for f in root.iterdir()
+                  if f.is_dir() and is_partial(f))
 
 
 class InstalledTable(QAbstractTableModel):
@@ -192,7 +207,8 @@ class ModelsWindow(QDialog):
 
     def __init__(self, store: Any, downloads_root: Path, switch_model: Callable[[str], Any],
                  current_spec: Callable[[], str], token: Callable[[], str | None],
-                 parent: QWidget | None = None) -> None:
+                 parent: QWidget | None = None,
+                 loaded_info: Callable[[], Any] | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("modelsWindow")
         self.setWindowTitle("Models")
@@ -201,6 +217,7 @@ class ModelsWindow(QDialog):
         self.switch_model = switch_model
         self.current_spec = current_spec
         self.token = token
+        self.loaded_info = loaded_info
         self.task: DownloadTask | None = None
         self.installed = InstalledTable(self)
         self.curated = CuratedTable(CURATED, self)
@@ -275,10 +292,26 @@ class ModelsWindow(QDialog):
         keep = self.selected()
         models = model_catalog.scan(self.downloads_root,
                                     model_catalog.load_user_folders(self.store))
+        info = self.loaded_info() if self.loaded_info is not None else None
+        if info is not None and not getattr(info, "paged", True):
+            # What the loaded model turned out to be beats "checked at load".
+            models = [dataclasses.replace(m, paged="no (mlx-lm's cache)")
+                      if m.spec == self.current_spec() else m for m in models]
         self.installed.set_models(models)
         if keep is not None:
             self.select_spec(keep.spec)
         self._update_buttons()
+        self._offer_unfinished()
+
+    def _offer_unfinished(self) -> None:
+        """After a cancel or a quit, say which download can be resumed, and prefill it."""
+        if self.task is not None and self.task.is_running():
+            return
+        unfinished = unfinished_downloads(self.downloads_root)
+        if unfinished and not self.repo_edit.text().strip():
+            self.repo_edit.setText(unfinished[0])
+            self.status.setText(f"Unfinished download: {unfinished[0]}. Click Download to "
+                                "resume it where it stopped.")
 
     def selected(self) -> InstalledModel | None:
         rows = self.installed_view.selectionModel().selectedRows()

@@ -141,7 +141,13 @@ def test_download_shows_progress_cancels_and_resumes(window, tiny, hub, qtbot):
     assert values == sorted(values) and 0 < values[-1] < PROGRESS_STEPS
     assert row_of(w, REPO) is None  # a partial download is not an installed model
 
+    # A new Models window (as after a quit) offers the unfinished download.
+    w.close()
+    window.window.models_window = None
+    w = open_models(window)
+    assert w.repo_edit.text() == REPO and "Unfinished download" in w.status.text()
     values.clear()
+    w.progress.valueChanged.connect(values.append)
     qtbot.mouseClick(w.download_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: w.status.text().startswith("Downloaded"), timeout=WAIT_MS)
     assert w.progress.value() == PROGRESS_STEPS and values == sorted(values)
