@@ -205,7 +205,7 @@ class Download:
         if missing + DISK_MARGIN_BYTES > free:
             raise DownloadError(
                 f"Not enough disk space for {self.repo_id}: it needs {_size(missing)} more "
-                f"(plus {_size(DISK_MARGIN_BYTES)} to spare) and {folder.anchor or folder} has "
+                f"(plus {_size(DISK_MARGIN_BYTES)} to spare) and the disk of {folder} has "
                 f"{_size(free)} free. Free some space, or remove models you no longer use.")
 
     def _fetch(self, folder: Path, name: str, size: int, manifest: dict[str, Any]) -> None:
@@ -372,6 +372,9 @@ class _hub_errors:
             message = (f"Hugging Face answered HTTP {status} while sending "
                        f"{self.file or 'the file list'} of '{repo}': try again later; the "
                        "download resumes where it stopped.")
+        elif isinstance(error, OSError) and "Consistency check failed" in str(error):
+            message = (f"{self.file or 'A file'} of '{repo}' arrived incomplete: click "
+                       "Download again to resume it.")
         elif isinstance(error, OSError):
             message = f"Writing '{repo}' to disk failed: {error}."
         else:
