@@ -86,18 +86,17 @@ def unfinished_downloads(root: Path) -> list[str]:
                   if f.is_dir() and is_partial(f))
 
 
-class InstalledTable(QAbstractTableModel):
-    COLUMNS = ("Name", "Source", "Architecture", "Parameters", "Quantization", "Size on disk",
-               "Context", "Paged")
+class _RowsTable(QAbstractTableModel):
+    """A read-only table of ``rows``, one tuple of display strings per row (``cells``)."""
 
-    def __init__(self, parent: QObject | None = None) -> None:
+    COLUMNS: tuple[str, ...] = ()
+
+    def __init__(self, rows: list | tuple = (), parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self.models: list[InstalledModel] = []
+        self.models = list(rows)
 
-    def set_models(self, models: list[InstalledModel]) -> None:
-        self.beginResetModel()
-        self.models = list(models)
-        self.endResetModel()
+    def cells(self, row: Any) -> tuple[str, ...]:
+        raise NotImplementedError
 
     def rowCount(self, parent: QModelIndex = QModelIndex()) -> int:  # noqa: B008
         return 0 if parent.isValid() else len(self.models)
@@ -114,40 +113,39 @@ class InstalledTable(QAbstractTableModel):
     def data(self, index: QModelIndex, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
         if not index.isValid():
             return None
-        m = self.models[index.row()]
+        if role == Qt.ItemDataRole.DisplayRole:
+            return self.cells(self.models[index.row()])[index.column()]
         if role == Qt.ItemDataRole.ToolTipRole:
-            return str(m.path)
-        if role != Qt.ItemDataRole.DisplayRole:
-            return None
-        return (m.name, SOURCE_LABELS[m.source], m.architecture, human_count(m.parameters),
-                m.quantization, human_bytes(m.size_bytes),
-                f"{m.context:,}" if m.context else "?", m.paged)[index.column()]
-
-
-class CuratedTable(QAbstractTableModel):
-    COLUMNS = ("Model", "Parameters", "Download", "Note")
-
-    def __init__(self, models: tuple[CuratedModel, ...], parent: QObject | None = None) -> None:
-        super().__init__(parent)
-        self.models = models
-
-    def rowCount(self, parent: QModelIndex = QModelIndex()) -> int:  # noqa: B008
-        return 0 if parent.isValid() else len(self.models)
-
-    def columnCount(self, parent: QModelIndex = QModelIndex()) -> int:  # noqa: B008
-        return 0 if parent.isValid() else len(self.COLUMNS)
-
-    def headerData(self, section: int, orientation: Qt.Orientation,
-                   role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
-            return self.COLUMNS[section]
+            return self.tooltip(self.models[index.row()])
         return None
 
-    def data(self, index: QModelIndex, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
-        if not index.isValid() or role != Qt.ItemDataRole.DisplayRole:
-            return None
-        m = self.models[index.row()]
-        return (m.repo_id, m.parameters, f"about {m.size_gb:.1f} GB", m.note)[index.column()]
+    def tooltip(self, row: Any) -> str | None:
+        return None
+
+
+class InstalledTable(_RowsTable):
+    COLUMNS = ("Name", "Source", "Architecture", "Parameters", "Quantization", "Size on disk",
+               "Context", "Paged")
+
+    def set_models(self, models: list[InstalledModel]) -> None:
+        self.beginResetModel()
+        self.models = list(models)
+        self.endResetModel()
+
+    def cells(self, m: InstalledModel) -> tuple[str, ...]:
+        return (m.name, SOURCE_LABELS[m.source], m.architecture, human_count(m.parameters),
+                m.quantization, human_bytes(m.size_bytes),
+                f"{m.context:,}" if m.context else "?", m.paged)
+
+    def tooltip(self, m: InstalledModel) -> str:
+        return str(m.path)
+
+
+class CuratedTable(_RowsTable):
+    COLUMNS = ("Model", "Parameters", "Download", "Note")
+
+    def cells(self, m: CuratedModel) -> tuple[str, ...]:
+        return (m.repo_id, m.parameters, f"about {m.size_gb:.1f} GB", m.note)
 
 
 class DownloadTask(QObject):
@@ -219,7 +217,7 @@ class ModelsWindow(QDialog):
         self.token = token
         self.loaded_info = loaded_info
         self.task: DownloadTask | None = None
-        self.installed = InstalledTable(self)
+        self.installed = InstalledTable(parent=self)
         self.curated = CuratedTable(CURATED, self)
         self._build()
         self.refresh()

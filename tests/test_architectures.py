@@ -189,11 +189,9 @@ def test_engine_verifies_an_unproven_architecture_when_it_loads(tmp_path, arch, 
     mlx-lm and serves paged; gemma2 disagrees, so it is not run paged (never run wrongly) but
     on the fallback engine, mlx-lm's own BatchGenerator (engine/fallback.py), and its
     ModelInfo says why. Either way the greedy reply equals mlx-lm's own generation."""
-    from mlx_lm import load as mlx_lm_load
-    from mlx_lm import stream_generate
-
     from engine import Engine, EngineConfig, FinishReason, SamplingParams
     from tests.reference import collect
+    from tests.tiny_model import mlx_lm_greedy
 
     assert arch not in PROVEN_ARCHITECTURES
     CONFIGS[arch] = UNPROVEN[arch]
@@ -222,11 +220,5 @@ def test_engine_verifies_an_unproven_architecture_when_it_loads(tmp_path, arch, 
             info.not_paged_reason
         assert "differs from mlx-lm's" in info.not_paged_reason
         assert info.attention == "mlx-lm" and snap.num_blocks == 0
-    model, tokenizer = mlx_lm_load(str(folder))
-    expected = []
-    for r in stream_generate(model, tokenizer, prompt, max_tokens=10):
-        expected.append(r.token)
-        if r.finish_reason is not None:
-            break
     assert finals[0].finish_reason is not FinishReason.ERROR, finals[0].error
-    assert tokens[0] == expected
+    assert tokens[0] == mlx_lm_greedy(folder, prompt, 10)

@@ -78,15 +78,22 @@ def test_download_progress_is_monotonic_to_100_percent_and_the_model_generates(
     assert tokens[0] == expected
 
 
-def test_cancel_then_resume_fetches_only_the_missing_bytes(hub, model_folder, tmp_path,
-                                                          monkeypatch):
+def cancelled_a_third_in(model_folder: Path, root: Path, monkeypatch) -> Download:
+    """A download cancelled (from its own progress callback) a third into the weights."""
     monkeypatch.setattr(downloads, "PROGRESS_INTERVAL_S", 0.0)
     size = (model_folder / WEIGHTS).stat().st_size
-    first = Download(REPO, tmp_path)
+    first = Download(REPO, root)
     first.on_progress = lambda p: first.cancel() if p.file == WEIGHTS and \
         p.fetched > size // 3 else None
     with pytest.raises(DownloadCancelled):
         first.run()
+    return first
+
+
+def test_cancel_then_resume_fetches_only_the_missing_bytes(hub, model_folder, tmp_path,
+                                                          monkeypatch):
+    size = (model_folder / WEIGHTS).stat().st_size
+    first = cancelled_a_third_in(model_folder, tmp_path, monkeypatch)
     had = _part(first)
     assert 0 < had < size and downloads.is_partial(first.folder)
     assert not (first.folder / WEIGHTS).exists()
@@ -184,13 +191,7 @@ def test_a_part_of_a_file_that_changed_on_the_hub_is_started_again(hub, model_fo
                                                                      tmp_path, monkeypatch):
     """A .part is continued only while the server's ETag is the one it was started with: a
     file replaced on the Hub meanwhile is fetched whole, never spliced onto old bytes."""
-    monkeypatch.setattr(downloads, "PROGRESS_INTERVAL_S", 0.0)
-    size = (model_folder / WEIGHTS).stat().st_size
-    first = Download(REPO, tmp_path)
-    first.on_progress = lambda p: first.cancel() if p.file == WEIGHTS and \
-        p.fetched > size // 3 else None
-    with pytest.raises(DownloadCancelled):
-        first.run()
+    first = cancelled_a_third_in(model_folder, tmp_path, monkeypatch)
     assert _part(first) > 0
     changed = make_tiny_model(tmp_path / "changed", reference_model().path, seed=1)
     hub.state.repos[REPO] = changed  # same commit id from this server, new file contents

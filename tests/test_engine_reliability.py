@@ -377,9 +377,9 @@ def test_mamba_model_runs_on_the_fallback_engine(tiny: Path, tmp_path) -> None:
     on mlx-lm's own BatchGenerator (engine/fallback.py), says why in ModelInfo, and its greedy
     reply equals mlx-lm's own generation."""
     from mlx.utils import tree_flatten
-    from mlx_lm import load as mlx_lm_load
-    from mlx_lm import stream_generate
     from mlx_lm.utils import _get_classes
+
+    from tests.tiny_model import mlx_lm_greedy
 
     config = {"model_type": "mamba", "vocab_size": 49152, "hidden_size": 32,
               "intermediate_size": 64, "state_size": 8, "num_hidden_layers": 2,
@@ -405,14 +405,8 @@ def test_mamba_model_runs_on_the_fallback_engine(tiny: Path, tmp_path) -> None:
     info = eng.model_info
     assert not info.paged and info.attention == "mlx-lm"
     assert "'mamba'" in info.not_paged_reason and "recurrent state" in info.not_paged_reason
-    ref_model, ref_tokenizer = mlx_lm_load(str(folder))
-    expected = []
-    for r in stream_generate(ref_model, ref_tokenizer, prompt, max_tokens=8):
-        expected.append(r.token)
-        if r.finish_reason is not None:
-            break
     assert finals[0].finish_reason is not FinishReason.ERROR, finals[0].error
-    assert tokens[0] == expected
+    assert tokens[0] == mlx_lm_greedy(folder, prompt, 8)
 
 
 # ---- item 10: typed role markers are text -------------------------------------------------

@@ -12,11 +12,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from mlx_lm import stream_generate
 
 from engine import Engine, EngineConfig, FinishReason, SamplingParams, TokenEvent
 from tests.reference import collect, reference_model, wait_until
-from tests.tiny_model import GEMMA2, GEMMA3, make_tiny_model, reference_copy
+from tests.tiny_model import GEMMA2, GEMMA3, make_tiny_model, mlx_lm_greedy
 
 PROMPT_LENGTHS = (5, 17, 30)
 MAX_TOKENS = 20
@@ -39,16 +38,6 @@ def engine(gemma3):
 
 def prompts() -> list[list[int]]:
     return [[(5 * i + 7 * j) % 97 + 3 for i in range(n)] for j, n in enumerate(PROMPT_LENGTHS)]
-
-
-def mlx_lm_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    model, tokenizer = reference_copy(str(folder))
-    out = []
-    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
-        out.append(r.token)
-        if r.finish_reason is not None:
-            break
-    return out
 
 
 def test_a_refused_architecture_loads_unpaged_and_says_why(engine):

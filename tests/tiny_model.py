@@ -110,3 +110,17 @@ def greedy_with_margin(folder: Path, prompt: list[int], max_tokens: int
             break
         logits = model(mx.array([[token]]), cache=cache)[0, -1]
     return out, margin
+
+
+def mlx_lm_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own greedy generation on the folder (``stream_generate``; it stops at EOS,
+    which is included, as the engine streams it)."""
+    from mlx_lm import stream_generate
+
+    model, tokenizer = reference_copy(str(folder))
+    out = []
+    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+        out.append(r.token)
+        if r.finish_reason is not None:
+            break
+    return out
