@@ -44,6 +44,7 @@ from engine.model_adapter import (
     check_paged_matches,
     probe_kv_shape,
     recurrent_caches,
+    sliding_windows,
     weights_nbytes,
 )
 from engine.models import LoadedModel, dtype_name, load_model
@@ -358,6 +359,13 @@ class Engine:
                 f"the {loaded.model_type!r} architecture keeps a recurrent state "
                 f"({', '.join(recurrent)}) instead of attention keys and values, so it cannot "
                 "run on PagedChat's paged KV pool")
+        windows = [w for w in sliding_windows(loaded.model)
+                   if w < min(self.config.max_context or loaded.max_context, loaded.max_context)]
+        if windows:
+            raise fallback.NotPaged(
+                f"the {loaded.model_type!r} architecture uses sliding-window attention (a "
+                f"window of {windows[0]} tokens), which PagedChat's paged KV pool does not "
+                "model")
         try:
             return probe_kv_shape(loaded.model)
         except Exception as e:

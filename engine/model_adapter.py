@@ -252,6 +252,19 @@ def recurrent_caches(model: nn.Module) -> list[str]:
                    if isinstance(c, ArraysCache | CacheList)})
 
 
+def sliding_windows(model: nn.Module) -> list[int]:
+    """The attention windows of the model's sliding-window layers (mlx-lm gives those a
+    RotatingKVCache). The pool attends to a sequence's whole past, so such a model is only
+    right on it while every sequence is shorter than its smallest window; the load-time
+    check, with its short prompt, cannot see the difference."""
+    make_cache = getattr(model, "make_cache", None)
+    if make_cache is None:
+        return []
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return sorted({int(c.max_size) for c in make_cache() if isinstance(c, RotatingKVCache)})
+
+
 def weights_nbytes(model: nn.Module) -> int:
     """Bytes of the model's parameters (for the memory check before the pool exists)."""
     from mlx.utils import tree_flatten

@@ -1,9 +1,9 @@
 """The fallback engine: an architecture that fails the paged check runs on mlx-lm's own
 BatchGenerator behind the same public Engine API (engine/fallback.py).
 
-The model is a tiny random Gemma 3 whose sliding-window layers disagree with the paged path
-(the load-time check refuses it); the references are mlx-lm's own generation on a separate
-copy of the same folder.
+The model is a tiny random Gemma 3 whose sliding-window layers (a window of 8 tokens) the
+paged pool does not model; the references are mlx-lm's own generation on a separate copy of
+the same folder.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_a_refused_architecture_loads_unpaged_and_says_why(engine):
     info = engine.model_info
     assert info.model_type == "gemma3_text" and not info.paged
     assert info.attention == "mlx-lm" and info.num_blocks == 0
-    assert "differs from mlx-lm's" in info.not_paged_reason
+    assert "sliding-window attention (a window of 8 tokens)" in info.not_paged_reason
     snap = engine.snapshot()
     assert not snap.paged and snap.num_blocks == 0
 
@@ -117,7 +117,7 @@ def test_monitor_shows_the_not_paged_view(engine, qtbot, qasync_loop, app_env):
                         timeout=WAIT_MS)
         text = panel.not_paged.text()
         assert "tiny-gemma3 is not paged" in text and "mlx-lm's own KV cache" in text
-        assert "differs from mlx-lm's" in panel.not_paged.toolTip()
+        assert "sliding-window attention" in panel.not_paged.toolTip()
         handle = engine.submit(prompt_tokens=prompts()[0],
                                params=SamplingParams(temperature=0.0, max_tokens=4000),
                                session_id="monitored")
@@ -170,3 +170,33 @@ def test_a_model_mlx_lm_cannot_batch_is_served_one_chat_at_a_time(tmp_path):
         tokens, finals = collect(handle)
         assert finals[0].finish_reason is FinishReason.LENGTH, finals[0].error
         assert tokens[0] == mlx_lm_greedy(folder, prompt, MAX_TOKENS)
+
+
+def test_a_window_longer_than_the_check_still_falls_back(tmp_path):
+    """A sliding window of 64 tokens is wider than the load-time check's prompt, which it
+    would pass; the model would then answer wrongly past 64 tokens on the pool. The engine
+    reads the window off mlx-lm's own cache types instead: not paged, and a 100-token prompt
+    gets mlx-lm's own greedy reply."""
+    config = {**GEMMA3, "sliding_window": 64}
+    folder = make_tiny_model(tmp_path / "tiny-gemma3-w64", reference_model().path,
+                             config=config)
+    eng = Engine(EngineConfig(model=str(folder), kv_memory_mib=8, block_size=8))
+    eng.start()
+    try:
+        assert eng.wait_ready(300), eng.load_error
+        info = eng.model_info
+        prompt = [(3 * i + 11) % 97 + 3 for i in range(100)]
+        tokens, finals = collect(eng.submit(prompt_tokens=prompt, params=SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS)))
+    finally:
+        eng.stop()
+    assert not info.paged and "sliding-window attention (a window of 64 tokens)" in \
+        info.not_paged_reason
+    # The premise: the short load-time check alone would have let it run paged.
+    from engine.model_adapter import check_paged_matches, probe_kv_shape
+    from engine.models import load_folder
+
+    model = load_folder(folder).model
+    assert check_paged_matches(model, probe_kv_shape(model), 8) < 1e-3
+    assert finals[0].finish_reason is FinishReason.LENGTH, finals[0].error
+    assert tokens[0] == mlx_lm_greedy(folder, prompt, MAX_TOKENS)
