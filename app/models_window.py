@@ -248,7 +248,7 @@ class ModelsWindow(QDialog):
         row.addStretch(1)
         row.addWidget(self.add_button)
         inner.addLayout(row)
-        v.addWidget(box, 3)
+        v.addWidget(box, 1)
 
         box = QGroupBox("Download from Hugging Face")
         inner = QVBoxLayout(box)
@@ -280,9 +280,9 @@ class ModelsWindow(QDialog):
         self.status.setWordWrap(True)
         self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         inner.addWidget(self.status)
-        v.addWidget(box, 2)
+        v.addWidget(box, 1)
         self.installed_view.selectionModel().selectionChanged.connect(self._update_buttons)
-        self.resize(900, 640)
+        self.resize(920, 720)
 
     # ---- the installed list ----------------------------------------------------------------
 
