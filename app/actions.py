@@ -69,6 +69,9 @@ ACTIONS: tuple[ActionSpec, ...] = (
     ActionSpec("rename", "&Rename Chat…", "rename_focused_chat", shortcut=("F2",),
                menu=("&Edit", 0)),
     ActionSpec("delete", "&Delete Chat…", "delete_focused_chat", menu=("&Edit", 0)),
+    ActionSpec("models", "&Models…", "settings_flow.open_models", shortcut=("Ctrl+Shift+L",),
+               icon="models", tip="Installed models: load, remove, download", menu=("&Edit", 1),
+               icon_text="Models"),
     ActionSpec("settings", "&Settings…", "settings_flow.open", shortcut=(SK.Preferences, "Ctrl+,"),
                icon="settings", menu=("&Edit", 1), icon_text="Settings",
                role=Role.PreferencesRole),
@@ -108,7 +111,8 @@ ACTIONS: tuple[ActionSpec, ...] = (
 )
 
 # The toolbar after the model button, left to right; None is the stretch between the sides.
-TOOLBAR: tuple[str | None, ...] = ("new_chat", "new_pane", "send_all", None, "monitor", "settings")
+TOOLBAR: tuple[str | None, ...] = ("new_chat", "new_pane", "send_all", None, "models", "monitor",
+                                   "settings")
 
 
 def _shortcut(keys: Sequence[Key]) -> QKeySequence | None:

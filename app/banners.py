@@ -144,10 +144,14 @@ class ModelButton(QToolButton):
         elif status == EngineStatus.READY:
             label = getattr(info, "name", name) if info is not None else name
             self.setText(label)
-            if info is not None:
+            if info is not None and not getattr(info, "paged", True):
+                self.setToolTip(f"{label}\ncontext {info.max_context:,} tokens · not paged: "
+                                "runs on mlx-lm's own KV cache")
+            elif info is not None:
                 self.setToolTip(
                     f"{label}\ncontext {info.max_context:,} tokens · {info.num_blocks:,} KV blocks "
                     f"of {info.block_size} tokens"
+                    + (f" ({info.kv_dtype})" if getattr(info, "kv_dtype", "") else "")
                 )
         elif status == EngineStatus.ERROR:
             self.setText(f"{name} · not loaded")
@@ -166,9 +170,13 @@ class PoolLabel(QLabel):
     def show_snapshot(self, snap: Any) -> None:
         if snap is None:
             return
-        text = (
-            f"KV pool: {snap.used_blocks:,} / {snap.num_blocks:,} blocks in use"
-            f" · {snap.shared_blocks} shared · {snap.cached_free_blocks} cached"
-        )
+        if not getattr(snap, "paged", True):
+            live = sum(1 for s in snap.sessions.values() if s.requests)
+            text = f"Not paged (mlx-lm's KV cache) · {live} generating"
+        else:
+            text = (
+                f"KV pool: {snap.used_blocks:,} / {snap.num_blocks:,} blocks in use"
+                f" · {snap.shared_blocks} shared · {snap.cached_free_blocks} cached"
+            )
         if text != self.text():
             self.setText(text)

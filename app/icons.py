@@ -49,6 +49,10 @@ GLYPHS: dict[str, str] = {
         '<rect x="3" y="14" width="7" height="7" rx="1"/>'
         '<rect x="14" y="14" width="7" height="7" rx="1"/>'
     ),
+    "models": (
+        '<path d="M12 3l8 4.5v9L12 21l-8-4.5v-9Z"/><path d="M4 7.5l8 4.5 8-4.5"/>'
+        '<path d="M12 12v9"/>'
+    ),
     "sidebar": '<rect x="3" y="4" width="18" height="16" rx="2"/><path d="M9 4v16"/>',
     "search": '<circle cx="11" cy="11" r="6"/><path d="M20 20l-4.5-4.5"/>',
     "chip": (

@@ -64,6 +64,7 @@ class MainWindow(QMainWindow):
         self.bridge = bridge
         self.settings = settings or AppSettings.load(store)
         self.registry = ProviderRegistry(store)
+        self.models_window: Any = None  # the Models window, made on first use (settings_flow)
         self.remote = RemoteBridge(self.registry, self)
         self.manager = SessionManager(store, bridge, self, remote=self.remote)
         self.settings_flow = SettingsFlow(self)

@@ -20,9 +20,10 @@ from app.core import secrets
 from app.core.app_settings import AppSettings
 from app.core.generation_defaults import model_defaults
 from app.core.records import ChatSettings
+from app.models_window import ModelsWindow
 from app.settings_dialog import SettingsDialog
 from app.theme import theme_manager
-from engine import SamplingParams
+from engine import SamplingParams, cache_dir
 
 
 class SettingsWindow(Protocol):
@@ -37,6 +38,7 @@ class SettingsWindow(Protocol):
     banner: Any  # app.banners.EngineBanner
     model_button: Any  # app.banners.ModelButton
     theme_actions: dict[str, Any]  # theme -> its checkable QAction
+    models_window: Any  # app.models_window.ModelsWindow, made on first use
 
 
 class SettingsFlow:
@@ -51,6 +53,25 @@ class SettingsFlow:
             dialog.tabs.setCurrentWidget(dialog.providers_page)
         if dialog.exec() == QDialog.DialogCode.Accepted:
             self.apply(dialog.value(), token_changed=dialog.token_changed)
+
+    def open_models(self) -> None:
+        """The Models window (one per main window; a download goes on while it is hidden)."""
+        w = self.window
+        if w.models_window is None:
+            w.models_window = ModelsWindow(
+                w.store, cache_dir() / "downloads", self.switch_model,
+                lambda: w.settings.model_spec(), secrets.get_hf_token, w,
+                loaded_info=lambda: w.bridge.model_info)
+        w.models_window.refresh()
+        w.models_window.show()
+        w.models_window.raise_()
+        w.models_window.activateWindow()
+
+    def switch_model(self, spec: str) -> bool:
+        """Load another model by the settings path: the engine restarts, chats stay."""
+        new = dataclasses.replace(self.window.settings)
+        new.set_model_spec(spec)
+        return self.apply(new)
 
     def apply(self, new: AppSettings, token_changed: bool = False) -> bool:
         """Save settings; restart the engine if the model or pool changed. False if invalid."""

@@ -3,6 +3,7 @@
 The public API (docs/ARCHITECTURE.md §3.9); other code uses only these names. No Qt here.
 """
 
+from engine.architecture import PROVEN_ARCHITECTURES
 from engine.config import (
     BLOCK_SIZES,
     REPO_ID_PATTERN,
@@ -11,6 +12,8 @@ from engine.config import (
     blocks_for_budget,
     looks_like_repo_id,
 )
+from engine.default_model import DEFAULT_NAME as DEFAULT_MODEL_NAME
+from engine.default_model import cache_dir, locate_default_gguf
 from engine.engine import Engine
 from engine.errors import ModelLoadError
 from engine.events import (
@@ -27,9 +30,12 @@ from engine.events import (
     Usage,
 )
 from engine.handle import RequestHandle
+from engine.model_folder import context_limit
 
 __all__ = [
     "BLOCK_SIZES",
+    "DEFAULT_MODEL_NAME",
+    "PROVEN_ARCHITECTURES",
     "REPO_ID_PATTERN",
     "Counters",
     "Engine",
@@ -48,5 +54,8 @@ __all__ = [
     "TokenEvent",
     "Usage",
     "blocks_for_budget",
+    "cache_dir",
+    "context_limit",
+    "locate_default_gguf",
     "looks_like_repo_id",
 ]

@@ -4,9 +4,10 @@ The paged path (engine/model_adapter.py) hooks into mlx-lm by its extension poin
 architecture whose attention goes around them would answer wrongly rather than fail. This
 module keeps that from ever reaching a user: the architectures in ``PROVEN_ARCHITECTURES``
 are proven by ``tests/test_architectures.py``; any other is run once at load through the
-paged path and through mlx-lm's own cache, and refused with a clear message when the two
-disagree. Models that hold no attention K/V at all (state-space layers) are refused by name
-before anything runs. Kept apart from the adapter because it runs once per load, never in a
+paged path and through mlx-lm's own cache, and sent to the fallback engine (``NotPaged``,
+engine/fallback.py) when the two disagree. Models that hold no attention K/V at all
+(state-space layers) or attend through a sliding window go there by name before anything
+runs. Kept apart from the adapter because it runs once per load, never in a
 step.
 """
 
@@ -17,7 +18,7 @@ import logging
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.errors import ModelLoadError
+from engine.errors import NotPaged
 from engine.kv_pool import KVPool, KVShape
 from engine.model_adapter import PagedModel, build_step_batch
 from engine.model_folder import LoadedModel
@@ -26,8 +27,6 @@ from engine.work import SequenceWork
 logger = logging.getLogger(__name__)
 
 PROVEN_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
-
-_FIX = "choose a transformer model such as llama, qwen2, qwen3, mistral, phi3 or gemma"
 
 
 class _ShapeProbe:
@@ -99,34 +98,56 @@ def check_paged_matches(model: nn.Module, shape: KVShape, block_size: int) -> fl
     return worst
 
 
-def supported_kv_shape(loaded: LoadedModel) -> KVShape:
-    """The model's per-layer K/V shape; a model without attention K/V (a state-space
-    model such as mamba) or with layers the pool cannot hold is refused, by name."""
+def sliding_windows(model: nn.Module) -> list[int]:
+    """The attention windows of the model's sliding-window layers (mlx-lm gives those a
+    RotatingKVCache). The pool attends to a sequence's whole past, so such a model is only
+    right on it while every sequence is shorter than its smallest window; the load-time
+    check, with its short prompt, cannot see the difference."""
+    make_cache = getattr(model, "make_cache", None)
+    if make_cache is None:
+        return []
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return sorted({int(c.max_size) for c in make_cache() if isinstance(c, RotatingKVCache)})
+
+
+def supported_kv_shape(loaded: LoadedModel, max_context: int) -> KVShape:
+    """The model's per-layer K/V shape, or ``NotPaged`` saying why the pool cannot hold it:
+    no attention K/V (a state-space model such as mamba), a sliding window narrower than
+    the context, or layers of different K/V shapes. Such a model runs on the fallback."""
     recurrent = recurrent_caches(loaded.model)
     if recurrent:
-        raise ModelLoadError(
-            f"the {loaded.model_type!r} architecture is not supported: it keeps a "
-            f"recurrent state ({', '.join(recurrent)}) instead of attention keys and "
-            f"values, so it cannot run on PagedChat's paged KV pool; {_FIX}")
+        raise NotPaged(
+            f"the {loaded.model_type!r} architecture keeps a recurrent state "
+            f"({', '.join(recurrent)}) instead of attention keys and values, so it cannot "
+            "run on PagedChat's paged KV pool")
+    windows = [w for w in sliding_windows(loaded.model) if w < max_context]
+    if windows:
+        raise NotPaged(
+            f"the {loaded.model_type!r} architecture uses sliding-window attention (a "
+            f"window of {windows[0]} tokens), which PagedChat's paged KV pool does not model")
     try:
         return probe_kv_shape(loaded.model)
     except Exception as e:
-        raise ModelLoadError(
-            f"the {loaded.model_type!r} architecture is not supported on PagedChat's paged "
-            f"KV pool ({type(e).__name__}: {e}); {_FIX}") from e
+        raise NotPaged(
+            f"the {loaded.model_type!r} architecture does not run on PagedChat's paged KV "
+            f"pool ({type(e).__name__}: {e})") from e
 
 
 def verify_architecture(loaded: LoadedModel, shape: KVShape, block_size: int) -> None:
     """An architecture outside the proven list runs paged only if it agrees with mlx-lm's
-    own cache on a short check; otherwise it is refused, never run wrongly."""
+    own cache on a short check; otherwise it is not paged (never run wrongly)."""
     if loaded.model_type in PROVEN_ARCHITECTURES:
         return
     tolerance = 1e-3 if shape.dtype == mx.float32 else 3e-2
-    error = check_paged_matches(loaded.model, shape, block_size)
+    try:
+        error = check_paged_matches(loaded.model, shape, block_size)
+    except Exception as e:  # e.g. attention sinks: the paged router refuses them
+        raise NotPaged(
+            f"the {loaded.model_type!r} architecture does not run on PagedChat's paged KV "
+            f"pool ({type(e).__name__}: {e})") from e
     if error > tolerance:
-        raise ModelLoadError(
-            f"the {loaded.model_type!r} architecture is not supported on PagedChat's paged "
-            f"KV pool (its output differs from mlx-lm's by {error:.1e}): choose a llama, "
-            f"qwen2, qwen3, mistral, phi3 or gemma model"
-        )
+        raise NotPaged(
+            f"the {loaded.model_type!r} architecture does not run on PagedChat's paged KV "
+            f"pool (its output differs from mlx-lm's by {error:.1e})")
     logger.info("%s verified on the paged path (max rel. diff %.1e)", loaded.model_type, error)

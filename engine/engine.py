@@ -251,9 +251,10 @@ class Engine:
 
     def _publish(self, force: bool = False) -> None:
         rt = self.runtime
+        info = rt.model_info
         self.telemetry.maybe_snapshot(
-            rt.alloc, rt.scheduler, rt.output.requests.values(), rt.pool.bytes_per_block,
-            rt.model_info.name, force=force,
+            rt.alloc, rt.scheduler, rt.output.requests.values(), info.bytes_per_block,
+            info.name, force=force, paged=info.paged, kv_dtype=info.kv_dtype,
         )
 
     def _drain_inbox(self, block: bool) -> bool:

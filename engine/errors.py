@@ -1,5 +1,5 @@
-"""Errors shared by the loader and the GGUF converter (a module of its own, so that both
-import it without importing each other)."""
+"""Errors shared by the loader, the architecture check and the GGUF converter (a module of
+its own, so that they import it without importing each other)."""
 
 
 class ModelLoadError(Exception):
@@ -11,3 +11,8 @@ def first_line(error: BaseException) -> str:
     for a ModelLoadError's one sentence."""
     text = str(error).strip()
     return text.splitlines()[0] if text else "no details"
+
+
+class NotPaged(Exception):
+    """Why a model cannot run on the paged pool: the engine then loads it on the fallback
+    (engine/fallback.py), mlx-lm's own batching, instead of refusing it."""

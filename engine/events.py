@@ -144,6 +144,10 @@ class PoolSnapshot:
     sessions: Mapping[str, SessionStats]
     counters: Counters
     model_name: str = ""
+    #: False when the model runs on mlx-lm's own cache (engine/fallback.py): there is no
+    #: block pool then (num_blocks 0), only the sessions and counters are meaningful.
+    paged: bool = True
+    kv_dtype: str = ""  # the pool's element type ("bfloat16", ...), which sizes a block
 
     def __post_init__(self) -> None:
         if not isinstance(self.sessions, MappingProxyType):
@@ -188,5 +192,12 @@ class ModelInfo:
     block_size: int
     num_blocks: int
     bytes_per_block: int
-    attention: str  # "cuda-paged", "metal-kernel" or "reference"
+    attention: str  # "cuda-paged", "metal-kernel", "reference" or "mlx-lm" (not paged)
     path: str = ""  # the model folder (its generation_config.json gives sampling defaults)
+    #: The K/V element type: the model's own (bf16 weights give a bf16 pool), so the MiB
+    #: per block follow the weights, not the compute dtype chosen for the default model.
+    kv_dtype: str = "float32"
+    #: False: the architecture failed the paged check and runs on mlx-lm's BatchGenerator
+    #: (continuous batching without paging); ``not_paged_reason`` says why.
+    paged: bool = True
+    not_paged_reason: str = ""

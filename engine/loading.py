@@ -9,21 +9,22 @@ free of wiring, and makes a restart a matter of dropping one reference.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import attention
+from engine import attention, fallback
 from engine.architecture import supported_kv_shape, verify_architecture
 from engine.blocks import BlockAllocator
 from engine.config import EngineConfig, blocks_for_budget, overlap_steps
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, NotPaged
 from engine.events import ModelInfo
 from engine.kv_pool import KVPool
 from engine.memory import check_fits
 from engine.model_adapter import PagedModel
-from engine.model_folder import LoadedModel
+from engine.model_folder import LoadedModel, dtype_name
 from engine.models import load_model
 from engine.output import Output
 from engine.prefill_budget import MIN_PROMPT_TOKENS, PrefillBudget
@@ -31,19 +32,23 @@ from engine.scheduler import Scheduler
 from engine.step import StepRunner
 from engine.telemetry import Telemetry
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Runtime:
     """What the engine thread serves with, for one loaded model (the thread's alone, except
-    ``loaded.tokenizer``, which callers' threads use to count and encode tokens)."""
+    ``loaded.tokenizer``, which callers' threads use to count and encode tokens). A model
+    the pool cannot run has no pool and no paged model: the fallback's scheduler and
+    runner stand in (``model_info.paged`` is False)."""
 
     loaded: LoadedModel
-    pool: KVPool
-    alloc: BlockAllocator
-    scheduler: Scheduler
-    paged_model: PagedModel
+    pool: KVPool | None
+    alloc: BlockAllocator | fallback.NoPool
+    scheduler: Scheduler | fallback.FallbackScheduler
+    paged_model: PagedModel | None
     output: Output
-    stepper: StepRunner
+    stepper: StepRunner | fallback.FallbackRunner
     max_context: int
     model_info: ModelInfo
 
@@ -58,11 +63,16 @@ def weights_nbytes(model: nn.Module) -> int:
 def load_runtime(cfg: EngineConfig, telemetry: Telemetry) -> Runtime:
     """Load ``cfg.model`` and build the pool and everything bound to it.
 
-    Every refusal (a model that cannot load, a budget the machine cannot hold, an
-    architecture the paged path cannot run) is a ``ModelLoadError`` that says what to do,
-    raised before the pool is allocated."""
+    Every refusal (a model that cannot load, a budget the machine cannot hold) is a
+    ``ModelLoadError`` that says what to do, raised before the pool is allocated; an
+    architecture the paged path cannot run gets the fallback runtime instead."""
     loaded = load_model(cfg.model, cfg.quantized)
-    shape = supported_kv_shape(loaded)
+    max_context = min(cfg.max_context or loaded.max_context, loaded.max_context)
+    try:
+        shape = supported_kv_shape(loaded, max_context)
+        verify_architecture(loaded, shape, cfg.block_size)
+    except NotPaged as reason:  # mlx-lm's own batching serves it, unpaged
+        return _fallback_runtime(cfg, telemetry, loaded, max_context, str(reason))
     num_blocks = blocks_for_budget(shape.bytes_per_token(), cfg.block_size, cfg.kv_memory_mib)
     try:
         check_fits(num_blocks * shape.bytes_per_token() * cfg.block_size,
@@ -72,12 +82,10 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry) -> Runtime:
     use_kernel = cfg.attention == "kernel" or (
         cfg.attention == "auto" and attention.kernel_available()
     )
-    verify_architecture(loaded, shape, cfg.block_size)
     pool = KVPool(shape, num_blocks, cfg.block_size)
     alloc = BlockAllocator(num_blocks, cfg.block_size)
     scheduler = Scheduler(alloc, cfg.max_batch, cfg.prefill_chunk)
     paged_model = PagedModel(loaded.model, pool, use_kernel=use_kernel)
-    max_context = min(cfg.max_context or loaded.max_context, loaded.max_context)
     output = Output(scheduler, telemetry, set(loaded.tokenizer.eos_token_ids), max_context)
     prefill = PrefillBudget(cfg.prefill_chunk, MIN_PROMPT_TOKENS, cfg.prefill_target)
     stepper = StepRunner(scheduler, pool, paged_model, output, telemetry, prefill,
@@ -91,6 +99,30 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry) -> Runtime:
         bytes_per_block=pool.bytes_per_block,
         attention=(attention.kernel_path() or "reference") if use_kernel else "reference",
         path=str(loaded.path),
+        kv_dtype=dtype_name(shape.dtype),
     )
     return Runtime(loaded, pool, alloc, scheduler, paged_model, output, stepper, max_context,
                    info)
+
+
+def _fallback_runtime(cfg: EngineConfig, telemetry: Telemetry, loaded: LoadedModel,
+                      max_context: int, reason: str) -> Runtime:
+    """The same loop, Output and API on mlx-lm's BatchGenerator instead of the pool
+    (engine/fallback.py)."""
+    try:
+        check_fits(0, weights_nbytes(loaded.model))
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    logger.info("%s runs on mlx-lm's own cache: %s", loaded.model_type, reason)
+    alloc = fallback.NoPool(cfg.block_size)
+    scheduler = fallback.FallbackScheduler(cfg.max_batch)
+    output = Output(scheduler, telemetry, set(loaded.tokenizer.eos_token_ids), max_context)
+    stepper = fallback.FallbackRunner(loaded.model, scheduler, output, telemetry, max_context,
+                                      cfg.prefill_chunk)
+    info = ModelInfo(
+        name=loaded.name, model_type=loaded.model_type, max_context=max_context,
+        block_size=cfg.block_size, num_blocks=0, bytes_per_block=0,
+        attention=fallback.ATTENTION_NAME, path=str(loaded.path),
+        kv_dtype=dtype_name(loaded.dtype), paged=False, not_paged_reason=reason,
+    )
+    return Runtime(loaded, None, alloc, scheduler, None, output, stepper, max_context, info)

@@ -137,6 +137,11 @@ def context_limit(config: dict) -> int:
     return FALLBACK_CONTEXT
 
 
+def dtype_name(dtype: mx.Dtype) -> str:
+    """"bfloat16" for mx.bfloat16: the spelling config.json files (and the UI) use."""
+    return str(dtype).rpartition(".")[2]
+
+
 def compute_dtype(model: nn.Module) -> mx.Dtype:
     """The dtype the model computes in: what its token embedding returns.
 

@@ -125,6 +125,8 @@ class Telemetry:
         bytes_per_block: int,
         model_name: str,
         force: bool = False,
+        paged: bool = True,
+        kv_dtype: str = "",
     ) -> None:
         now = time.perf_counter()
         if not force and now - self._last_snapshot < SNAPSHOT_INTERVAL_S:
@@ -159,6 +161,8 @@ class Telemetry:
             sessions=self._session_stats(requests, refcounts, fills, alloc.block_size, now),
             counters=counters,
             model_name=model_name,
+            paged=paged,
+            kv_dtype=kv_dtype,
         )
 
     def _session_stats(self, requests: Iterable[Request], refcounts: tuple, fills: tuple,
@@ -175,6 +179,8 @@ class Telemetry:
                 if seq.table is not None:
                     stats["blocks"].update(seq.table.blocks)
                     stats["tokens"] += seq.table.num_tokens
+                elif seq.state is SequenceState.DECODING:  # on mlx-lm's cache (no table)
+                    stats["tokens"] += len(seq.tokens)
                 if seq.state in _PROMPT_STATES and (seq.index == 0 or request.forked):
                     stats["prompt_done"] += seq.table.num_computed if seq.table else 0
                     stats["prompt_total"] += len(seq.tokens)

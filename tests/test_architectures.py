@@ -185,13 +185,12 @@ UNPROVEN = {
 @pytest.mark.parametrize("arch,accepted", [("starcoder2", True), ("gemma2", False)])
 def test_engine_verifies_an_unproven_architecture_when_it_loads(tmp_path, arch, accepted):
     """Engine._verify_architecture with the engine's own threshold: starcoder2 agrees with
-    mlx-lm and serves (its greedy reply equals mlx-lm's own generation); gemma2 is refused
-    with a ModelLoadError naming the architecture, and requests get that message."""
-    from mlx_lm import load as mlx_lm_load
-    from mlx_lm import stream_generate
-
+    mlx-lm and serves paged; gemma2 disagrees, so it is not run paged (never run wrongly) but
+    on the fallback engine, mlx-lm's own BatchGenerator (engine/fallback.py), and its
+    ModelInfo says why. Either way the greedy reply equals mlx-lm's own generation."""
     from engine import Engine, EngineConfig, FinishReason, SamplingParams
     from tests.reference import collect
+    from tests.tiny_model import mlx_lm_greedy
 
     assert arch not in PROVEN_ARCHITECTURES
     CONFIGS[arch] = UNPROVEN[arch]
@@ -203,26 +202,22 @@ def test_engine_verifies_an_unproven_architecture_when_it_loads(tmp_path, arch, 
     engine.start()
     try:
         ready = engine.wait_ready(300)
-        status, load_error, info = engine.status, engine.load_error, engine.model_info
+        load_error, info = engine.load_error, engine.model_info
         prompt = [(5 * i + 7) % 97 + 3 for i in range(2 * BLOCK_SIZE + 5)]
         params = SamplingParams(temperature=0.0, max_tokens=10)
         tokens, finals = collect(engine.submit(prompt_tokens=prompt, params=params,
                                                session_id=arch))
+        snap = engine.snapshot()
     finally:
         engine.stop()
+    assert ready and info.model_type == arch, load_error
+    assert info.paged is accepted and snap.paged is accepted
     if accepted:
-        assert ready and info.model_type == arch, load_error
-        model, tokenizer = mlx_lm_load(str(folder))
-        expected = []
-        for r in stream_generate(model, tokenizer, prompt, max_tokens=10):
-            expected.append(r.token)
-            if r.finish_reason is not None:
-                break
-        assert finals[0].finish_reason is not FinishReason.ERROR, finals[0].error
-        assert tokens[0] == expected
+        assert info.not_paged_reason == "" and info.num_blocks > 0
     else:
-        assert not ready and status == "error"
-        assert f"the '{arch}' architecture is not supported" in load_error
-        assert "differs from mlx-lm's" in load_error
-        assert finals[0].finish_reason is FinishReason.ERROR
-        assert finals[0].error == load_error
+        assert f"the '{arch}' architecture does not run on PagedChat's paged KV pool" in \
+            info.not_paged_reason
+        assert "differs from mlx-lm's" in info.not_paged_reason
+        assert info.attention == "mlx-lm" and snap.num_blocks == 0
+    assert finals[0].finish_reason is not FinishReason.ERROR, finals[0].error
+    assert tokens[0] == mlx_lm_greedy(folder, prompt, 10)

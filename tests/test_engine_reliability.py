@@ -372,9 +372,14 @@ def test_missing_tokenizer_is_named_with_its_fix(tiny: Path, tmp_path: Path) -> 
     assert "tokenizer.json" in message  # what to put there
 
 
-def test_mamba_model_is_refused_as_an_unsupported_architecture(tiny: Path, tmp_path) -> None:
+def test_mamba_model_runs_on_the_fallback_engine(tiny: Path, tmp_path) -> None:
+    """A state-space model keeps a recurrent state, not K/V, so it cannot be paged: it runs
+    on mlx-lm's own BatchGenerator (engine/fallback.py), says why in ModelInfo, and its greedy
+    reply equals mlx-lm's own generation."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
+
+    from tests.tiny_model import mlx_lm_greedy
 
     config = {"model_type": "mamba", "vocab_size": 49152, "hidden_size": 32,
               "intermediate_size": 64, "state_size": 8, "num_hidden_layers": 2,
@@ -388,16 +393,20 @@ def test_mamba_model_is_refused_as_an_unsupported_architecture(tiny: Path, tmp_p
     (folder / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny / name, folder / name)
+    prompt = [(3 * i + 5) % 90 + 4 for i in range(12)]
     eng = Engine(EngineConfig(model=str(folder), kv_memory_mib=1))
     eng.start()
     try:
-        assert not eng.wait_ready(120)
+        assert eng.wait_ready(120), eng.load_error
+        tokens, finals = collect(eng.submit(prompt_tokens=prompt, params=SamplingParams(
+            temperature=0.0, max_tokens=8)))
     finally:
         eng.stop()
-    message = eng.load_error
-    assert "'mamba'" in message and "not supported" in message, message
-    assert "llama" in message  # what to choose instead
-    assert "_ShapeProbe" not in message and "TypeError" not in message
+    info = eng.model_info
+    assert not info.paged and info.attention == "mlx-lm"
+    assert "'mamba'" in info.not_paged_reason and "recurrent state" in info.not_paged_reason
+    assert finals[0].finish_reason is not FinishReason.ERROR, finals[0].error
+    assert tokens[0] == mlx_lm_greedy(folder, prompt, 8)
 
 
 # ---- item 10: typed role markers are text -------------------------------------------------

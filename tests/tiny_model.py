@@ -46,16 +46,35 @@ def budget_mib(num_blocks: int, block_size: int) -> float:
     return num_blocks * block_size * BYTES_PER_TOKEN / 2**20
 
 
-def make_tiny_model(folder: Path, tokenizer_folder: Path, seed: int = 0) -> Path:
-    """Write the tiny model into ``folder`` (tokenizer copied from ``tokenizer_folder``)."""
+#: A tiny Gemma 3 (text): its sliding-window layers (a window of 8 here) disagree with the
+#: paged path, so it fails the paged check and runs on the fallback engine
+#: (engine/fallback.py). (gemma2 fails the check too, but mlx-lm's own batching breaks on it:
+#: its attention mask does not broadcast over a batch of ragged prompts.)
+GEMMA3 = {**CONFIG, "model_type": "gemma3_text", "sliding_window": 8,
+          "sliding_window_pattern": 2, "query_pre_attn_scalar": 16}
+
+#: A tiny gemma2 (soft-capped attention logits): refused by the paged check, and mlx-lm's own
+#: batching fails on it, so the fallback serves it one row at a time.
+GEMMA2 = {**CONFIG, "model_type": "gemma2", "query_pre_attn_scalar": 16}
+
+
+def make_tiny_model(folder: Path, tokenizer_folder: Path, seed: int = 0,
+                    config: dict | None = None, dtype: mx.Dtype | None = None) -> Path:
+    """Write the tiny model into ``folder`` (tokenizer copied from ``tokenizer_folder``);
+    ``config`` replaces the llama config, ``dtype`` casts the weights (saved as mlx-lm
+    saves a converted model: safetensors in that dtype, ``torch_dtype`` in config.json)."""
+    config = dict(config or CONFIG)
     folder.mkdir(parents=True, exist_ok=True)
-    model_class, args_class = _get_classes(CONFIG)
+    model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
-    model = model_class(args_class.from_dict(CONFIG))
+    model = model_class(args_class.from_dict(config))
+    if dtype is not None:
+        model.set_dtype(dtype)
+        config["torch_dtype"] = str(dtype).rpartition(".")[2]
     mx.eval(model.parameters())
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())),
                         metadata={"format": "mlx"})
-    (folder / "config.json").write_text(json.dumps(CONFIG, indent=2), encoding="utf-8")
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     for name in TOKENIZER_FILES:
         if (tokenizer_folder / name).is_file():
             shutil.copy(tokenizer_folder / name, folder / name)
@@ -91,3 +110,17 @@ def greedy_with_margin(folder: Path, prompt: list[int], max_tokens: int
             break
         logits = model(mx.array([[token]]), cache=cache)[0, -1]
     return out, margin
+
+
+def mlx_lm_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own greedy generation on the folder (``stream_generate``; it stops at EOS,
+    which is included, as the engine streams it)."""
+    from mlx_lm import stream_generate
+
+    model, tokenizer = reference_copy(str(folder))
+    out = []
+    for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+        out.append(r.token)
+        if r.finish_reason is not None:
+            break
+    return out

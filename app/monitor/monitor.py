@@ -39,7 +39,7 @@ from app.monitor.legend import LegendModel, LegendView
 from app.monitor.pool_state import PoolState
 from app.monitor.timeline import TimelineWidget
 
-WAITING, CONTENT = range(2)
+WAITING, CONTENT, NOT_PAGED = range(3)
 
 
 def _heading(text: str) -> QLabel:
@@ -177,6 +177,15 @@ class MonitorPanel(QWidget):
         self.timeline.setFixedHeight(112)
         v.addWidget(self.timeline)
 
+        self.not_paged = QLabel()
+        self.not_paged.setObjectName("monitorNotPaged")
+        self.not_paged.setAccessibleName("KV cache monitor: this model is not paged")
+        self.not_paged.setWordWrap(True)
+        self.not_paged.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.not_paged.setMargin(16)
+        self.not_paged.setTextFormat(Qt.TextFormat.PlainText)
+        self.pages.addWidget(self.not_paged)
+
         self.zoom_out_button.clicked.connect(self.block_map.zoom_out)
         self.zoom_fit_button.clicked.connect(self.block_map.zoom_fit)
         self.zoom_in_button.clicked.connect(self.block_map.zoom_in)
@@ -206,6 +215,9 @@ class MonitorPanel(QWidget):
         if snap is None:
             self.pages.setCurrentIndex(WAITING)
             return
+        if not getattr(snap, "paged", True):
+            self._show_not_paged(snap)
+            return
         if self.pages.currentIndex() != CONTENT:
             self.pages.setCurrentIndex(CONTENT)
         if snap is not self._snap:
@@ -218,6 +230,28 @@ class MonitorPanel(QWidget):
         c = self._counters
         assert c is not None
         self.timeline.add(c.used, c.cached, c.shared, c.tokens_per_s, c.num_blocks)
+
+    def _show_not_paged(self, snap: Any) -> None:
+        """A model on mlx-lm's own cache (engine/fallback.py) has no block pool to draw:
+        say so, and what still holds (one batch for every chat), with its live numbers."""
+        info = getattr(self.bridge, "model_info", None)
+        reason = getattr(info, "not_paged_reason", "") if info is not None else ""
+        live = [s for s in snap.sessions.values() if s.requests]
+        text = (
+            f"{snap.model_name or 'This model'} is not paged.\n\n"
+            "Its architecture does not run on PagedChat's block pool, so it runs on "
+            "mlx-lm's own KV cache: chats are still batched together, but there are no "
+            "blocks, no prefix sharing and no copy-on-write to show.\n\n"
+            f"{len(live)} chat{'s' if len(live) != 1 else ''} generating · "
+            f"{snap.counters.tokens_per_s:.1f} tok/s · "
+            f"{sum(s.tokens_in_context for s in live):,} tokens in context"
+        )
+        if text != self.not_paged.text():
+            self.not_paged.setText(text)
+            self.not_paged.setToolTip(reason)
+        if self.pages.currentIndex() != NOT_PAGED:
+            self.pages.setCurrentIndex(NOT_PAGED)
+        self._snap, self._state, self._counters = snap, None, None  # nothing for _present
 
     def _present(self, animate: bool) -> None:
         """Bring the map, legend, counters and summary in line with the latest snapshot."""
@@ -265,7 +299,8 @@ class MonitorPanel(QWidget):
             self.summary.setText(text)
             self.summary.setToolTip(
                 f"{snap.num_blocks:,} blocks of {snap.block_size} token slots; "
-                f"{snap.bytes_per_block / 1024:,.0f} KiB per block (K and V, every layer)"
+                f"{snap.bytes_per_block / 1024:,.0f} KiB per block (K and V, every layer"
+                + (f", {snap.kv_dtype}" if getattr(snap, "kv_dtype", "") else "") + ")"
                 + (f"\nmodel: {snap.model_name}" if snap.model_name else "")
             )
 
