@@ -1,0 +1,122 @@
+"""Plant known defects one at a time and check that the tests meant to catch them fail.
+
+A green suite says little unless its tests fail when the feature breaks. Each mutant below
+is a defect a real change could bring (a sampler that ignores temperature, a cancel that
+keeps its blocks, a pane that shows another pane's tokens, ...), written as an exact text
+replacement in one source file, with the tests that claim to guard against it. The script
+applies each in a throw-away git worktree of HEAD (the checkout itself is never touched),
+runs those tests there, and reports CAUGHT when they fail and SURVIVED when they pass.
+Exit status 1 if any survived or no longer applies (its text moved: update the mutant).
+
+    source scripts/env.sh; .venv/bin/python scripts/mutants.py [name-substring ...]
+
+The kernel tests plant their own bugs in the shader text (tests/test_kernel_emulation.py,
+tests/test_cuda_kernel.py); this list covers the Python side.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    edits: tuple[tuple[str, str], ...]  # (exact text, its replacement), each found once
+    tests: tuple[str, ...]
+
+
+MUTANTS = (
+    Mutant("the sampler ignores temperature", "engine/sampling.py",
+           (("scaled = logprobs * (1.0 / temperature)", "scaled = logprobs"),),
+           ("tests/test_sampling.py",)),
+    Mutant("the sampler ignores top_k", "engine/sampling.py",
+           (("logprobs = apply_top_k(logprobs, top_k)", "logprobs = logprobs"),),
+           ("tests/test_sampling.py",)),
+    Mutant("the repetition penalty is ignored", "engine/sampling.py",
+           (("penalties.append([r.params.repetition_penalty if recent else 1.0])",
+             "penalties.append([1.0])"),),
+           ("tests/test_sampling.py",)),
+    Mutant("no copy-on-write of a shared partial block", "engine/blocks.py",
+           (("                if self._refcount[block] > 1:\n                    copies.append",
+             "                if False:\n                    copies.append"),),
+           ("tests/test_engine.py::test_fork_after_prompt_copies_the_shared_partial_block",)),
+    Mutant("a cancelled request keeps its blocks", "engine/output.py",
+           (("        self.scheduler.remove(seq)\n        seq.state = SequenceState.FINISHED",
+             "        if reason != FinishReason.CANCELLED:\n"
+             "            self.scheduler.remove(seq)\n"
+             "        seq.state = SequenceState.FINISHED"),),
+           ("tests/test_engine.py::"
+            "test_cancel_frees_blocks_at_once_and_deleted_session_ends_cancelled",)),
+    Mutant("tokens go to the first pane and a session takes any request's tokens",
+           "app/chat/session.py",
+           (("        session = self.sessions.get(session_id)\n        if session is not None:\n"
+             "            session.on_token(",
+             "        session = next(iter(self.sessions.values()), None)\n"
+             "        if session is not None:\n            session.on_token("),
+            ("        ids = self._requests.get(request_id)\n        if ids is None or not 0 <= "
+             "index < len(ids) or ids[index] is None:\n            return  # not ours",
+             "        ids = next(iter(self._requests.values()), None)\n        if ids is None or "
+             "not 0 <= index < len(ids) or ids[index] is None:\n            return  # not ours")),
+           ("tests/test_app_chat.py::test_two_panes_stream_at_the_same_time",)),
+    Mutant("the save timer never fires", "app/chat/session.py",
+           (("self._save_timer.setInterval(SAVE_INTERVAL_MS)",
+             "self._save_timer.setInterval(10**8)"),),
+           ("tests/test_app_persistence.py::"
+            "test_a_kill_loses_only_the_text_streamed_since_the_last_save_tick",)),
+    Mutant("the render throttle never renders", "app/chat/throttle.py",
+           (("                c.flush_render()", "                pass"),),
+           ("tests/test_app_units.py::"
+            "test_throttle_renders_about_30_times_a_second_on_a_controlled_clock",
+            "tests/test_app_units.py::test_throttle_flushes_on_the_real_qt_timer")),
+)
+
+
+def _run(mutant: Mutant, tree: Path) -> str:
+    path = tree / mutant.path
+    original = path.read_text(encoding="utf-8")
+    text = original
+    for old, new in mutant.edits:
+        if text.count(old) != 1:
+            return "NO LONGER APPLIES"
+        text = text.replace(old, new)
+    path.write_text(text, encoding="utf-8")
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutant.tests],
+            cwd=tree, capture_output=True, text=True, timeout=1800)
+    finally:
+        path.write_text(original, encoding="utf-8")
+    failed = [line[7:] for line in run.stdout.splitlines() if line.startswith("FAILED ")]
+    if run.returncode == 1:
+        return f"CAUGHT by {failed[0] if failed else mutant.tests[0]}"
+    return "SURVIVED" if run.returncode == 0 else f"ERROR (pytest exit {run.returncode})"
+
+
+def main(only: list[str]) -> int:
+    chosen = [m for m in MUTANTS if not only or any(o in m.name for o in only)]
+    bad = 0
+    with tempfile.TemporaryDirectory(prefix="pagedchat-mutants-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), "HEAD"],
+                       cwd=ROOT, check=True)
+        try:
+            (tree / ".venv").symlink_to(ROOT / ".venv")
+            for m in chosen:
+                verdict = _run(m, tree)
+                bad += not verdict.startswith("CAUGHT")
+                print(f"{m.name} ({m.path}): {verdict}", flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
