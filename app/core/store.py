@@ -222,6 +222,33 @@ class Store:
         )
         return {r[0] for r in rows}
 
+    def insert_chats(self, chats: Iterable[tuple[Conversation, Sequence[Message]]]) -> None:
+        """Insert whole conversations (an import) as one transaction: all of them or none.
+
+        Messages go in the order given (parents first; siblings keep their order)."""
+        ops: list[tuple[str, Sequence[Any]]] = []
+        for conv, messages in chats:
+            conv.title = clean_text(conv.title)
+            ops.append(
+                (
+                    "INSERT INTO conversations(id, title, created, updated, settings,"
+                    " active_leaf, color_index, model) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        conv.id,
+                        conv.title,
+                        conv.created,
+                        conv.updated,
+                        _json(conv.settings.to_dict()),
+                        conv.active_leaf,
+                        conv.color_index,
+                        conv.model,
+                    ),
+                )
+            )
+            ops.extend(self._insert_message(m) for m in messages)
+        if ops:
+            self._write_many(ops)
+
     # ---- messages ------------------------------------------------------------------------
 
     @staticmethod
