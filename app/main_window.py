@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import colors
+from app import colors, library_dialogs
 from app.actions import THEMES, build_actions, build_toolbar, refresh_icons
 from app.banners import CompareBar, EngineBanner, ModelButton, PoolLabel
 from app.chat.pane import ChatPane
@@ -288,6 +288,35 @@ class MainWindow(QMainWindow):
         self.deck.drop_chat(conversation_id, self.manager.latest_or_new)
         self._save_soon()
         return True
+
+    # ---- the library: export and import (app/library_dialogs.py) -------------------------
+
+    def export_focused_chat(self) -> None:
+        pane = self.focused_pane
+        if pane is None or pane.session is None or not pane.session.tree.by_id:
+            self.statusBar().showMessage("Nothing to export: this chat is empty.", 5000)
+            return
+        pane.session.flush()  # a streaming reply: export what is on screen
+        path = library_dialogs.export_chat(self, self.store, pane.session.id, pane.session.title)
+        if path is not None:
+            self.statusBar().showMessage(f"Exported “{pane.session.title}” to {path}.", 8000)
+
+    def export_all_chats(self) -> None:
+        for session in self.manager.sessions.values():
+            session.flush()
+        done = library_dialogs.export_all(self, self.store)
+        if done is not None:
+            path, n = done
+            self.statusBar().showMessage(f"Exported {n} chats to {path}.", 8000)
+
+    def import_chats(self) -> None:
+        imported = library_dialogs.import_chats(self, self.store)
+        if not imported:
+            return
+        self.sidebar.reload()
+        self.open_chat(imported[0].id)
+        n = len(imported)
+        self.statusBar().showMessage(f"Imported {n} chat{'s' if n > 1 else ''}.", 8000)
 
     def toggle_sidebar(self, checked: bool | None = None) -> None:
         on = self.act_sidebar.isChecked() if checked is None else bool(checked)
