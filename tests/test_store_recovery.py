@@ -243,7 +243,18 @@ def _build_v1(path: Path) -> dict:
     return {"m1": "hi", "m2": "hello"}
 
 
-BUILDERS = {0: _build_v0, 1: _build_v1}
+def _build_v2(path: Path) -> dict:
+    """Version 2 (a chat's model), as PagedChat wrote it before full-text search (v3)."""
+    expected = _build_v1(path)
+    con = sqlite3.connect(path)
+    con.execute("ALTER TABLE conversations ADD COLUMN model TEXT NOT NULL DEFAULT ''")
+    con.execute("PRAGMA user_version=2")
+    con.commit()
+    con.close()
+    return expected
+
+
+BUILDERS = {0: _build_v0, 1: _build_v1, 2: _build_v2}
 
 
 def test_there_is_a_builder_for_every_earlier_schema():
@@ -260,7 +271,7 @@ def test_migrates_from_every_earlier_schema(tmp_path, version):
     con.close()
     got = {m.id: m.content for c in store.list_conversations() for m in store.load_messages(c.id)}
     assert got == expected
-    if version == 1:
+    if version >= 1:
         [conv] = store.list_conversations()
         assert (conv.title, conv.active_leaf, conv.color_index) == ("Made by v1", "m2", 3)
         assert conv.model == ""  # v2: chats made before providers talk to the local engine

@@ -1,7 +1,7 @@
 """The database schema as a list of versioned migrations (`PRAGMA user_version`).
 
 `MIGRATIONS[i]` takes a database from schema version i to i + 1, so adding a schema change
-(full-text search, folders, ...) is one function appended to the list and nothing else: a
+(folders, ...) is one function appended to the list and nothing else: a
 database of any earlier version is brought forward step by step, each run of steps in one
 transaction, so a failed migration leaves the file exactly as it was. Version 0 is "nothing
 yet"; version 1 is the schema PagedChat shipped first (app/store.py at commit 047710a).
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable
+
+from app.core import search
 
 Migration = Callable[[sqlite3.Connection], None]
 
@@ -63,7 +65,14 @@ def _v2(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE conversations ADD COLUMN model TEXT NOT NULL DEFAULT ''")
 
 
-MIGRATIONS: list[Migration] = [_v1, _v2]
+def _v3(db: sqlite3.Connection) -> None:
+    """Full-text search (app/core/search): FTS5 indexes of titles and messages, kept by
+    triggers, filled from the chats already there."""
+    for statement in search.index_sql():
+        db.execute(statement)
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2, _v3]
 
 # The columns each table must have once migrated (checked after every open: a table of the
 # same name from something else, or a half-applied old schema, is caught here).

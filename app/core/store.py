@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from app.core import schema
+from app.core import schema, search
 from app.core.db_recovery import Recovery, StoreOpenError, open_checked
 from app.core.db_writer import SaveState, WriteBehind
 from app.core.records import ChatSettings, Conversation, Message, Status, new_id
@@ -59,11 +59,6 @@ def _clean(args: Iterable[Any]) -> tuple[Any, ...]:
 
 def _json(value: Any) -> str:
     return clean_text(json.dumps(value, ensure_ascii=False))
-
-
-def _like_pattern(text: str) -> str:
-    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    return f"%{escaped}%"
 
 
 class Store:
@@ -213,14 +208,13 @@ class Store:
         self._write("UPDATE conversations SET active_leaf=? WHERE id=?", (leaf_id, conversation_id))
 
     def search(self, text: str) -> set[str]:
-        """Ids of conversations whose title or any message contains `text` (case-insensitive)."""
-        pattern = _like_pattern(text)
-        rows = self._db.execute(
-            "SELECT id FROM conversations WHERE title LIKE ? ESCAPE '\\' "
-            "UNION SELECT DISTINCT conversation_id FROM messages WHERE content LIKE ? ESCAPE '\\'",
-            _clean((pattern, pattern)),
-        )
-        return {r[0] for r in rows}
+        """Ids of conversations whose title or any message matches `text` (app/core/search:
+        FTS5 words by prefix, or a case-insensitive substring)."""
+        return search.matching_chats(self._db, clean_text(text))
+
+    def search_hits(self, text: str, limit: int = 200) -> list[search.Hit]:
+        """Ranked hits with highlighted snippets (titles, then messages, best first)."""
+        return search.search(self._db, clean_text(text), limit)
 
     def insert_chats(self, chats: Iterable[tuple[Conversation, Sequence[Message]]]) -> None:
         """Insert whole conversations (an import) as one transaction: all of them or none.
