@@ -135,6 +135,7 @@ class MainWindow(QMainWindow):
         self.sidebar.newChatRequested.connect(lambda: self.new_chat())
         self.sidebar.view.openRequested.connect(self.open_chat)
         self.sidebar.view.deleteRequested.connect(lambda cid: self.delete_chat(cid))
+        self.sidebar.results.hitActivated.connect(self.show_hit)
         self.sidebar.model.renameRequested.connect(self.manager.rename)
         self.manager.conversationsChanged.connect(self._conversations_changed)
         self.manager.busyChanged.connect(self.sidebar.model.set_busy)
@@ -289,7 +290,13 @@ class MainWindow(QMainWindow):
         self._save_soon()
         return True
 
-    # ---- the library: export and import (app/library_dialogs.py) -------------------------
+    # ---- the library: search hits, export and import (app/library_dialogs.py) ------------
+
+    def show_hit(self, conversation_id: str, message_id: str | None) -> None:
+        """A search hit: its chat in a pane (the focused one unless open), at the message."""
+        pane = self.open_chat(conversation_id)
+        if pane is not None and message_id is not None:
+            pane.reveal_message(message_id)
 
     def export_focused_chat(self) -> None:
         pane = self.focused_pane

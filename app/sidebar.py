@@ -1,7 +1,9 @@
 """The conversation sidebar: search (titles and message text), new, rename, delete, open.
 
 Model/view: ConversationListModel lists the store's conversations (most recent first);
-ConversationFilter narrows them to the ids the store's full-text LIKE search returns. Rename
+ConversationFilter narrows them to the ids the store's full-text search returns; while a
+search is typed its ranked hits (app/search_results.py) stand in for the list, and Enter
+opens the first one. Rename
 is in place (F2 or double-click on the title... or the context menu); delete asks first.
 """
 
@@ -50,6 +52,7 @@ from PySide6.QtWidgets import (
 from app import colors, icons
 from app.core.records import Conversation
 from app.core.session_logic import DEFAULT_TITLE
+from app.search_results import SearchResultsView
 
 ConvIdRole = Qt.ItemDataRole.UserRole + 1
 UpdatedRole = Qt.ItemDataRole.UserRole + 2
@@ -351,6 +354,12 @@ class Sidebar(QFrame):
         self.view.setModel(self.proxy)
         layout.addWidget(self.view, 1)
 
+        # while a search is typed: its ranked hits with snippets, in place of the list
+        self.results = SearchResultsView()
+        self.results.hide()
+        self.results.escapePressed.connect(self._clear_search_from_results)
+        layout.addWidget(self.results, 1)
+
         self.empty = QLabel("No chats match.")
         self.empty.setObjectName("sidebarEmpty")
         self.empty.setAlignment(Qt.AlignmentFlag.AlignHCenter | Qt.AlignmentFlag.AlignTop)
@@ -368,25 +377,39 @@ class Sidebar(QFrame):
     def _apply_search(self) -> None:
         query = self.search.text().strip()
         self.proxy.set_query(query)
-        none = bool(query) and self.proxy.rowCount() == 0
+        listed = set(self.visible_ids())  # hits in chats the list shows (not empty ones)
+        hits = [h for h in self.store.search_hits(query) if h.conversation_id in listed]
+        self.results.set_hits(hits if query else [])
+        none = bool(query) and not hits
         if none:
             shown = query if len(query) <= 40 else query[:39] + "…"
             self.empty.setText(f"No chats match “{shown}”.\nEsc clears the search.")
         self.empty.setVisible(none)
-        self.view.setVisible(not none)
+        self.view.setVisible(not query)
+        self.results.setVisible(bool(hits))
         if self.current_id:
             self.select(self.current_id)
 
     def eventFilter(self, obj: Any, event: Any) -> bool:
-        if (
-            obj is self.search
-            and event.type() == QEvent.Type.KeyPress
-            and event.key() == Qt.Key.Key_Escape
-            and self.search.text()
-        ):
-            self.set_search("")
-            return True
+        if obj is self.search and event.type() == QEvent.Type.KeyPress and self.search.text():
+            key = event.key()
+            if key == Qt.Key.Key_Escape:
+                self.set_search("")
+                return True
+            if key in (Qt.Key.Key_Return, Qt.Key.Key_Enter, Qt.Key.Key_Down):
+                if self._search_timer.isActive():  # typed faster than the search delay
+                    self._search_timer.stop()
+                    self._apply_search()
+                if key == Qt.Key.Key_Down:
+                    self.results.setFocus()
+                else:
+                    self.results.activate_current()  # the first hit unless moved to another
+                return True
         return super().eventFilter(obj, event)
+
+    def _clear_search_from_results(self) -> None:
+        self.set_search("")
+        self.search.setFocus()
 
     def set_search(self, text: str) -> None:
         """Search at once (no typing delay): used by tests and the Find action."""

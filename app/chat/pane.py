@@ -383,6 +383,20 @@ class ChatPane(QFrame):
         cursor.movePosition(cursor.MoveOperation.End)
         self.input.setTextCursor(cursor)
 
+    def reveal_message(self, message_id: str) -> bool:
+        """Show a message (a search hit): its branch, selected and scrolled to the top. The
+        scroll waits for the event loop's turn, after the view's own scroll to the bottom
+        that a newly shown chat queues."""
+        if self.session is None or not self.session.show_branch(message_id):
+            return False
+
+        def scroll() -> None:
+            if self.model is not None:
+                self.view.scroll_to_row(self.model.row_of(message_id))
+
+        QTimer.singleShot(0, self, scroll)
+        return True
+
     def _escape(self) -> None:
         if self._editing is not None:
             self.cancel_edit()

@@ -185,6 +185,15 @@ class ChatSession(QObject):
         self._refresh_context()
         return True
 
+    def show_branch(self, message_id: str) -> bool:
+        """Make the branch through `message_id` the one shown (a search hit may sit on an
+        alternative that is not); False when the message is not in this chat."""
+        if message_id not in self.tree:
+            return False
+        if message_id not in {m.id for m in self.active_path()}:
+            self._activate(message_id)
+        return True
+
     def stop(self) -> None:
         """Cancel the running request(s); the partial replies stay, marked as stopped."""
         for rid in list(self._requests):
