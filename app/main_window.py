@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
 from app import colors, library_dialogs
 from app.actions import THEMES, build_actions, build_toolbar, refresh_icons
 from app.banners import CompareBar, EngineBanner, ModelButton, PoolLabel
+from app.chat.chat_settings_dialog import ChatSettingsDialog
 from app.chat.pane import ChatPane
 from app.chat.session import ChatSession, SessionManager
 from app.confirm import confirm_destructive
@@ -38,6 +39,7 @@ from app.core.generation_defaults import model_defaults
 from app.core.providers import ProviderRegistry
 from app.core.records import ChatSettings
 from app.dock_fit import DockFitter
+from app.folder_bar import ALL as ALL_FOLDERS
 from app.monitor import create_monitor_dock
 from app.pane_deck import MAX_PANES, PaneDeck
 from app.qt_util import from_b64, to_b64
@@ -136,6 +138,10 @@ class MainWindow(QMainWindow):
         self.sidebar.view.openRequested.connect(self.open_chat)
         self.sidebar.view.deleteRequested.connect(lambda cid: self.delete_chat(cid))
         self.sidebar.results.hitActivated.connect(self.show_hit)
+        folders = self.sidebar.folders.view
+        folders.newChatRequested.connect(lambda fid: self.new_chat(folder_id=fid))
+        folders.deleteRequested.connect(lambda fid: self.delete_folder(fid))
+        folders.settingsRequested.connect(self.edit_folder_settings)
         self.sidebar.model.renameRequested.connect(self.manager.rename)
         self.manager.conversationsChanged.connect(self._conversations_changed)
         self.manager.busyChanged.connect(self.sidebar.model.set_busy)
@@ -217,11 +223,16 @@ class MainWindow(QMainWindow):
             self._save_soon()
         return pane
 
-    def new_chat(self, new_pane: bool = False) -> ChatPane | None:
+    def new_chat(self, new_pane: bool = False, folder_id: str | None = None) -> ChatPane | None:
+        """A new chat, in the folder given or else the one the sidebar shows."""
         if new_pane and len(self.panes) >= MAX_PANES:
             self.statusBar().showMessage(f"At most {MAX_PANES} panes side by side.", 5000)
             return None
-        session = self.manager.create()  # an empty one it replaces is dropped (open_chat)
+        if folder_id is None:
+            shown = self.sidebar.folders.view.current_folder()
+            folder_id = None if shown == ALL_FOLDERS else shown
+        # an empty one it replaces is dropped (open_chat)
+        session = self.manager.create(folder_id=folder_id)
         return self.open_chat(session.id, new_pane=new_pane)
 
     # ---- chat commands -------------------------------------------------------------------
@@ -291,6 +302,33 @@ class MainWindow(QMainWindow):
         return True
 
     # ---- the library: search hits, export and import (app/library_dialogs.py) ------------
+
+    def delete_folder(self, folder_id: str, confirm: bool = True) -> bool:
+        folder = self.store.get_folder(folder_id)
+        if folder is None:
+            return False
+        n = sum(1 for c in self.store.list_conversations() if c.folder_id == folder_id)
+        chats = f"Its {n} chat{'s' if n != 1 else ''} move{'s' if n == 1 else ''} to the top level."
+        if confirm and not confirm_destructive(
+            self, "Delete Folder", f"Delete the folder “{folder.name}”? {chats}" if n else
+            f"Delete the empty folder “{folder.name}”?"
+        ):
+            return False
+        self.store.delete_folder(folder_id)
+        self.sidebar.reload()
+        return True
+
+    def edit_folder_settings(self, folder_id: str) -> None:
+        """The system prompt and sampling new chats in the folder start with."""
+        folder = self.store.get_folder(folder_id)
+        if folder is None:
+            return
+        dialog = ChatSettingsDialog(folder.name, folder.settings or self.manager.default_settings,
+                                    self)
+        dialog.setWindowTitle(f"Settings for New Chats — {folder.name}")
+        if dialog.exec() == QDialog.DialogCode.Accepted:
+            self.store.set_folder_settings(folder_id, dialog.value())
+            self.sidebar.reload()
 
     def show_hit(self, conversation_id: str, message_id: str | None) -> None:
         """A search hit: its chat in a pane (the focused one unless open), at the message."""

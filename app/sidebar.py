@@ -52,6 +52,7 @@ from PySide6.QtWidgets import (
 from app import colors, icons
 from app.core.records import Conversation
 from app.core.session_logic import DEFAULT_TITLE
+from app.folder_bar import ALL, FolderPanel, encode_chat_ids
 from app.search_results import SearchResultsView
 
 ConvIdRole = Qt.ItemDataRole.UserRole + 1
@@ -59,6 +60,7 @@ UpdatedRole = Qt.ItemDataRole.UserRole + 2
 BusyRole = Qt.ItemDataRole.UserRole + 3
 StartedRole = Qt.ItemDataRole.UserRole + 4  # written in or named (else not listed yet)
 ModelRole = Qt.ItemDataRole.UserRole + 5  # the chat's remote model ("" for the local one)
+FolderRole = Qt.ItemDataRole.UserRole + 6  # the chat's folder id (None: the top level)
 
 
 def relative_time(ts: float, now: float | None = None) -> str:
@@ -123,6 +125,8 @@ class ConversationListModel(QAbstractListModel):
             return c.id in self._busy
         if role == StartedRole:  # written in, or named by the user
             return c.active_leaf is not None or c.title != DEFAULT_TITLE
+        if role == FolderRole:
+            return c.folder_id
         return None
 
     def setData(
@@ -141,7 +145,17 @@ class ConversationListModel(QAbstractListModel):
 
     def flags(self, index: QModelIndex | QPersistentModelIndex) -> Qt.ItemFlag:
         base = super().flags(index)
-        return base | Qt.ItemFlag.ItemIsEditable if index.isValid() else base
+        if not index.isValid():
+            return base
+        return base | Qt.ItemFlag.ItemIsEditable | Qt.ItemFlag.ItemIsDragEnabled
+
+    def mimeTypes(self) -> list[str]:
+        return ["application/x-pagedchat-chat-ids"]
+
+    def mimeData(self, indexes: Any) -> Any:
+        """The dragged chats' ids, for a drop on a folder (app/folder_bar.py)."""
+        ids = [self._items[i.row()].id for i in indexes if i.isValid()]
+        return encode_chat_ids(list(dict.fromkeys(ids)))
 
     def row_of(self, conversation_id: str) -> int:
         for i, c in enumerate(self._items):
@@ -160,6 +174,7 @@ class ConversationFilter(QSortFilterProxyModel):
         self.store = store
         self.query = ""
         self._ids: set[str] | None = None
+        self.folder = ALL  # the folder shown (ALL: every chat)
 
     def _set_ids(self, ids: set[str] | None) -> None:
         if hasattr(self, "beginFilterChange"):  # Qt >= 6.9
@@ -178,9 +193,15 @@ class ConversationFilter(QSortFilterProxyModel):
         if self.query:
             self._set_ids(self.store.search(self.query))
 
+    def set_folder(self, folder_id: str) -> None:
+        self.folder = folder_id
+        self._set_ids(self._ids)
+
     def filterAcceptsRow(self, row: int, parent: QModelIndex | QPersistentModelIndex) -> bool:
         idx = self.sourceModel().index(row, 0, parent)
         if not idx.data(StartedRole):
+            return False
+        if self.folder != ALL and idx.data(FolderRole) != self.folder:
             return False
         return self._ids is None or idx.data(ConvIdRole) in self._ids
 
@@ -347,11 +368,18 @@ class Sidebar(QFrame):
         self.search.installEventFilter(self)
         layout.addWidget(self.search)
 
+        self.folders = FolderPanel(store, self)
+        layout.addWidget(self.folders)
+
         self.model = ConversationListModel(store, self)
         self.proxy = ConversationFilter(store, self)
         self.proxy.setSourceModel(self.model)
         self.view = ConversationListView()
         self.view.setModel(self.proxy)
+        self.view.setDragEnabled(True)  # onto a folder (app/folder_bar.py)
+        self.view.setDragDropMode(QAbstractItemView.DragDropMode.DragOnly)
+        self.folders.changed.connect(self.reload)
+        self.folders.view.folderChosen.connect(self._folder_chosen)
         layout.addWidget(self.view, 1)
 
         # while a search is typed: its ranked hits with snippets, in place of the list
@@ -417,12 +445,18 @@ class Sidebar(QFrame):
         self._search_timer.stop()
         self._apply_search()
 
+    def _folder_chosen(self, folder_id: str) -> None:
+        self.proxy.set_folder(folder_id)
+        if self.search.text().strip():
+            self._apply_search()
+
     def visible_ids(self) -> list[str]:
         return [self.proxy.index(r, 0).data(ConvIdRole) for r in range(self.proxy.rowCount())]
 
     def reload(self) -> None:
         self.model.reload()
         self.proxy.refresh()
+        self.folders.reload()  # names and chat counts
         if self.current_id:
             self.select(self.current_id)
 

@@ -254,7 +254,18 @@ def _build_v2(path: Path) -> dict:
     return expected
 
 
-BUILDERS = {0: _build_v0, 1: _build_v1, 2: _build_v2}
+def _build_v3(path: Path) -> dict:
+    """Version 3 (full-text search), before folders (v4)."""
+    expected = _build_v2(path)
+    con = sqlite3.connect(path)
+    schema.MIGRATIONS[2](con)  # the v2 -> v3 step as shipped
+    con.execute("PRAGMA user_version=3")
+    con.commit()
+    con.close()
+    return expected
+
+
+BUILDERS = {0: _build_v0, 1: _build_v1, 2: _build_v2, 3: _build_v3}
 
 
 def test_there_is_a_builder_for_every_earlier_schema():
@@ -275,6 +286,8 @@ def test_migrates_from_every_earlier_schema(tmp_path, version):
         [conv] = store.list_conversations()
         assert (conv.title, conv.active_leaf, conv.color_index) == ("Made by v1", "m2", 3)
         assert conv.model == ""  # v2: chats made before providers talk to the local engine
+        assert conv.folder_id is None  # v4: chats made before folders are at the top level
+        assert store.search("hello") == {"c1"}  # v3: chats made before search are indexed
         assert store.get_value("app_settings") == {"theme": "dark"}
         reply = store.get_message("m2")
         assert reply.status == "interrupted" and reply.meta["usage"]["prompt_tokens"] == 4
@@ -285,11 +298,11 @@ def test_adding_a_migration_is_one_function(tmp_path, monkeypatch):
     _build_v1(tmp_path / DB_NAME)
     ran = []
 
-    def add_folders(db):
+    def add_tags(db):  # (folders are a real migration now: the example is another table)
         ran.append(True)
-        db.execute("CREATE TABLE folders (id TEXT PRIMARY KEY, name TEXT NOT NULL)")
+        db.execute("CREATE TABLE tags (id TEXT PRIMARY KEY, name TEXT NOT NULL)")
 
-    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, add_folders])
+    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, add_tags])
     store = Store(tmp_path)
     assert store.recovery is None and ran == [True]
     assert [m.id for m in store.load_messages("c1")] == ["m1", "m2"]
@@ -306,7 +319,7 @@ def test_a_failing_migration_leaves_the_file_unchanged(tmp_path, monkeypatch):
     before = read_messages(tmp_path)
 
     def broken(db):
-        db.execute("CREATE TABLE folders (id TEXT PRIMARY KEY)")
+        db.execute("CREATE TABLE tags (id TEXT PRIMARY KEY)")
         db.execute("INSERT INTO no_such_table VALUES (1)")
 
     monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, broken])
@@ -314,6 +327,8 @@ def test_a_failing_migration_leaves_the_file_unchanged(tmp_path, monkeypatch):
         Store(tmp_path)
     con = sqlite3.connect(tmp_path / DB_NAME)
     assert con.execute("PRAGMA user_version").fetchone()[0] == 1
-    assert con.execute("SELECT name FROM sqlite_master WHERE name='folders'").fetchone() is None
+    for table in ("tags", "folders", "message_fts"):  # nothing of any step is left
+        found = con.execute("SELECT name FROM sqlite_master WHERE name=?", (table,))
+        assert found.fetchone() is None
     con.close()
     assert read_messages(tmp_path) == before

@@ -415,10 +415,19 @@ class SessionManager(QObject):
         return session
 
     def create(
-        self, title: str = DEFAULT_TITLE, settings: ChatSettings | None = None
+        self,
+        title: str = DEFAULT_TITLE,
+        settings: ChatSettings | None = None,
+        folder_id: str | None = None,
     ) -> ChatSession:
+        """A new chat (in a folder: with the folder's settings, when it carries some)."""
+        folder = self.store.get_folder(folder_id) if folder_id else None
+        if settings is None and folder is not None and folder.settings is not None:
+            settings = copy_settings(folder.settings)
         settings = settings or copy_settings(self.default_settings)
-        conv = self.store.create_conversation(title, settings)
+        conv = self.store.create_conversation(
+            title, settings, folder.id if folder is not None else None
+        )
         session = self._adopt(conv)
         self.conversationsChanged.emit()
         return session

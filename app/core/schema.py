@@ -1,7 +1,7 @@
 """The database schema as a list of versioned migrations (`PRAGMA user_version`).
 
 `MIGRATIONS[i]` takes a database from schema version i to i + 1, so adding a schema change
-(folders, ...) is one function appended to the list and nothing else: a
+(a new table, a new column...) is one function appended to the list and nothing else: a
 database of any earlier version is brought forward step by step, each run of steps in one
 transaction, so a failed migration leaves the file exactly as it was. Version 0 is "nothing
 yet"; version 1 is the schema PagedChat shipped first (app/store.py at commit 047710a).
@@ -72,7 +72,25 @@ def _v3(db: sqlite3.Connection) -> None:
         db.execute(statement)
 
 
-MIGRATIONS: list[Migration] = [_v1, _v2, _v3]
+def _v4(db: sqlite3.Connection) -> None:
+    """Folders: a chat may sit in one (NULL: the top level). A folder may carry the settings
+    its new chats start with (NULL: the app's defaults). Deleting a folder moves its chats to
+    the top level (ON DELETE SET NULL), never deletes them."""
+    db.execute(
+        """CREATE TABLE folders (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL,
+            created REAL NOT NULL,
+            settings TEXT
+        )"""
+    )
+    db.execute(
+        "ALTER TABLE conversations ADD COLUMN folder_id TEXT"
+        " REFERENCES folders(id) ON DELETE SET NULL"
+    )
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4]
 
 # The columns each table must have once migrated (checked after every open: a table of the
 # same name from something else, or a half-applied old schema, is caught here).
@@ -86,6 +104,7 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
         "active_leaf",
         "color_index",
         "model",
+        "folder_id",
     ),
     "messages": (
         "id",
@@ -99,6 +118,7 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
         "meta",
     ),
     "kv": ("key", "value"),
+    "folders": ("id", "name", "created", "settings"),
 }
 
 
