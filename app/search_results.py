@@ -35,7 +35,8 @@ from PySide6.QtWidgets import (
 from app.core.search import MARK_END, MARK_START, Hit
 
 HitRole = Qt.ItemDataRole.UserRole + 1
-ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System", "": "Title"}
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System", "": "Title",
+              "attachment": "Attached file"}
 
 
 def plain(snippet: str) -> str:

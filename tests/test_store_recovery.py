@@ -265,7 +265,18 @@ def _build_v3(path: Path) -> dict:
     return expected
 
 
-BUILDERS = {0: _build_v0, 1: _build_v1, 2: _build_v2, 3: _build_v3}
+def _build_v4(path: Path) -> dict:
+    """Version 4 (folders), before search in attachments (v5)."""
+    expected = _build_v3(path)
+    con = sqlite3.connect(path)
+    schema.MIGRATIONS[3](con)  # the v3 -> v4 step as shipped
+    con.execute("PRAGMA user_version=4")
+    con.commit()
+    con.close()
+    return expected
+
+
+BUILDERS = {0: _build_v0, 1: _build_v1, 2: _build_v2, 3: _build_v3, 4: _build_v4}
 
 
 def test_there_is_a_builder_for_every_earlier_schema():

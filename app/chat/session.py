@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app import colors
+from app.core.attachments import Attachment, to_meta
 from app.core.records import ChatSettings, Conversation, Message, Status, new_id
 from app.core.session_logic import (
     DEFAULT_TITLE,
@@ -126,19 +128,21 @@ class ChatSession(QObject):
 
     # ---- actions -------------------------------------------------------------------------
 
-    def send(self, text: str) -> bool:
-        """Append a user message to the visible path and ask for a reply."""
-        if not text.strip():
+    def send(self, text: str, attachments: Sequence[Attachment] = ()) -> bool:
+        """Append a user message (with the files attached to it) to the visible path and ask
+        for a reply."""
+        if not text.strip() and not attachments:
             self.notice.emit("Type a message first.")
             return False
         if self.busy:
             self.notice.emit("This chat is still answering; stop it first.")
             return False
         parent = self.tree.active_leaf
-        user = self._new_message(parent, "user", text, Status.COMPLETE)
+        meta = {"attachments": to_meta(attachments)} if attachments else None
+        user = self._new_message(parent, "user", text, Status.COMPLETE, meta)
         self._reply(user.id, n=1)
         if self.title == DEFAULT_TITLE:  # after the reply is on the path: the chat has begun
-            self.rename(title_from(text))
+            self.rename(title_from(text or attachments[0].name))
         return True
 
     def regenerate(self, message_id: str | None = None, n: int = 1) -> bool:
@@ -223,7 +227,14 @@ class ChatSession(QObject):
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _new_message(self, parent_id: str | None, role: str, content: str, status: str) -> Message:
+    def _new_message(
+        self,
+        parent_id: str | None,
+        role: str,
+        content: str,
+        status: str,
+        meta: dict[str, Any] | None = None,
+    ) -> Message:
         msg = Message(
             id=new_id(),
             conversation_id=self.id,
@@ -231,6 +242,7 @@ class ChatSession(QObject):
             role=role,
             content=content,
             status=status,
+            meta=meta or {},
         )
         self.store.add_message(msg)
         self.tree.add(msg)

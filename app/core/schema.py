@@ -65,9 +65,19 @@ def _v2(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE conversations ADD COLUMN model TEXT NOT NULL DEFAULT ''")
 
 
+def _need(db: sqlite3.Connection, table: str, *columns: str) -> None:
+    """A step that reads existing columns first checks they are there: tables of the same
+    name from something else are salvaged (SchemaError), not a failed upgrade."""
+    missing = [c for c in columns if c not in table_columns(db, table)]
+    if missing:
+        raise SchemaError(f"table {table!r} lacks column(s) {', '.join(missing)}")
+
+
 def _v3(db: sqlite3.Connection) -> None:
     """Full-text search (app/core/search): FTS5 indexes of titles and messages, kept by
     triggers, filled from the chats already there."""
+    _need(db, "messages", "content")
+    _need(db, "conversations", "title")
     for statement in search.index_sql():
         db.execute(statement)
 
@@ -90,7 +100,15 @@ def _v4(db: sqlite3.Connection) -> None:
     )
 
 
-MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4]
+def _v5(db: sqlite3.Connection) -> None:
+    """Search in attached files: an FTS5 index of `meta["attachments"]` texts, filled from
+    the messages already there."""
+    _need(db, "messages", "meta")
+    for statement in search.attachment_index_sql():
+        db.execute(statement)
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5]
 
 # The columns each table must have once migrated (checked after every open: a table of the
 # same name from something else, or a half-applied old schema, is caught here).

@@ -1,5 +1,5 @@
-"""Full-text search over chat titles and messages: SQLite FTS5, ranked, with snippets
-(docs/ARCHITECTURE.md §6.5).
+"""Full-text search over chat titles, messages and attached files: SQLite FTS5, ranked, with
+snippets (docs/ARCHITECTURE.md §6.5).
 
 Two FTS5 indexes (schema version 3, app/core/schema.py) mirror `conversations.title` and
 `messages.content` as external-content tables kept current by triggers, so every write path
@@ -9,7 +9,7 @@ typed is matched as a prefix, since people search while they type. FTS5 cannot s
 token: the middle of a word, a run of CJK characters without spaces (one token to unicode61),
 symbols. So hits FTS5 does not find but a plain substring does follow the ranked ones, with a
 snippet cut around the substring here. Ranking is FTS5's bm25: title hits first, then
-messages, best first. Pure logic over a connection: no Qt.
+messages, then attached files' text (schema v5), best first. Pure logic over a connection: no Qt.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ ELLIPSIS = "…"
 SNIPPET_TOKENS = 12  # words of context in an FTS5 snippet
 SNIPPET_CHARS = 40  # characters of context either side of a substring hit
 TOKENIZER = "unicode61 remove_diacritics 2"
+ATTACHMENT_ROLE = "attachment"  # a Hit's role when the text of an attached file matched
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,18 @@ def search(db: sqlite3.Connection, text: str, limit: int = 200) -> list[Hit]:
     ):
         seen_messages.add(r[1])
         hits.append(Hit(r[0], r[1], r[2], r[4], r[3], r[5]))
+    for r in _fts(
+        db,
+        "SELECT m.conversation_id, m.id, c.title,"
+        f" snippet(attachment_fts, 0, '{MARK_START}', '{MARK_END}', '{ELLIPSIS}',"
+        f" {SNIPPET_TOKENS}), bm25(attachment_fts) FROM attachment_fts"
+        " JOIN messages m ON m.rowid = attachment_fts.rowid"
+        " JOIN conversations c ON c.id = m.conversation_id"
+        " WHERE attachment_fts MATCH ? ORDER BY rank LIMIT ?",
+        query,
+        limit,
+    ):
+        hits.append(Hit(r[0], r[1], r[2], r[3], ATTACHMENT_ROLE, r[4]))
     pattern = _like(text)
     for r in db.execute(
         "SELECT id, title FROM conversations WHERE title LIKE ? ESCAPE '\\' LIMIT ?",
@@ -122,6 +135,30 @@ def search(db: sqlite3.Connection, text: str, limit: int = 200) -> list[Hit]:
 def matching_chats(db: sqlite3.Connection, text: str) -> set[str]:
     """Ids of the chats with any hit (the sidebar's filter)."""
     return {h.conversation_id for h in search(db, text, limit=100_000)}
+
+
+def attachment_index_sql() -> list[str]:
+    """Schema v5: the text of the files attached to messages (`meta["attachments"]`, see
+    app/core/attachments.py), in an FTS5 table of its own keyed by the message's rowid."""
+    rows = (
+        "SELECT {m}.rowid, group_concat(json_extract(value, '$.text'), char(10))"
+        " FROM json_each(CASE WHEN json_valid({m}.meta) THEN {m}.meta ELSE '{{}}' END,"
+        " '$.attachments') HAVING count(*) > 0"
+    )
+    return [
+        f"CREATE VIRTUAL TABLE attachment_fts USING fts5(text, tokenize='{TOKENIZER}')",
+        "CREATE TRIGGER attachment_fts_ai AFTER INSERT ON messages BEGIN"
+        f" INSERT INTO attachment_fts(rowid, text) {rows.format(m='new')}; END",
+        "CREATE TRIGGER attachment_fts_ad AFTER DELETE ON messages BEGIN"
+        " DELETE FROM attachment_fts WHERE rowid = old.rowid; END",
+        "CREATE TRIGGER attachment_fts_au AFTER UPDATE OF meta ON messages BEGIN"
+        " DELETE FROM attachment_fts WHERE rowid = old.rowid;"
+        f" INSERT INTO attachment_fts(rowid, text) {rows.format(m='new')}; END",
+        "INSERT INTO attachment_fts(rowid, text)"
+        " SELECT m.rowid, group_concat(json_extract(a.value, '$.text'), char(10))"
+        " FROM messages m, json_each(CASE WHEN json_valid(m.meta) THEN m.meta ELSE '{}' END,"
+        " '$.attachments') a GROUP BY m.rowid",
+    ]
 
 
 def index_sql() -> list[str]:
