@@ -254,29 +254,25 @@ def _build_v2(path: Path) -> dict:
     return expected
 
 
-def _build_v3(path: Path) -> dict:
-    """Version 3 (full-text search), before folders (v4)."""
-    expected = _build_v2(path)
-    con = sqlite3.connect(path)
-    schema.MIGRATIONS[2](con)  # the v2 -> v3 step as shipped
-    con.execute("PRAGMA user_version=3")
-    con.commit()
-    con.close()
-    return expected
+def _build_by_shipped_step(version: int, doc: str):
+    """A file of `version`: the one before it, then the migration step as shipped."""
+
+    def build(path: Path) -> dict:
+        expected = BUILDERS[version - 1](path)
+        con = sqlite3.connect(path)
+        schema.MIGRATIONS[version - 1](con)
+        con.execute(f"PRAGMA user_version={version}")
+        con.commit()
+        con.close()
+        return expected
+
+    build.__doc__ = doc
+    return build
 
 
-def _build_v4(path: Path) -> dict:
-    """Version 4 (folders), before search in attachments (v5)."""
-    expected = _build_v3(path)
-    con = sqlite3.connect(path)
-    schema.MIGRATIONS[3](con)  # the v3 -> v4 step as shipped
-    con.execute("PRAGMA user_version=4")
-    con.commit()
-    con.close()
-    return expected
-
-
-BUILDERS = {0: _build_v0, 1: _build_v1, 2: _build_v2, 3: _build_v3, 4: _build_v4}
+BUILDERS = {0: _build_v0, 1: _build_v1, 2: _build_v2}
+BUILDERS[3] = _build_by_shipped_step(3, "full-text search, before folders (v4)")
+BUILDERS[4] = _build_by_shipped_step(4, "folders, before search in attachments (v5)")
 
 
 def test_there_is_a_builder_for_every_earlier_schema():
