@@ -124,3 +124,18 @@ def test_migration_indexes_chats_written_before_search(tmp_path):
         assert {"message_fts", "title_fts"} <= tables
     finally:
         store.close()
+
+
+def test_the_sidebar_filter_finds_exactly_the_chats_of_the_hits(store):
+    """`search` (ids only, on every keystroke) and `search_hits` (ranked) agree; substring
+    hits never repeat a message FTS5 matched, however many there are."""
+    chat(store, "Trip to Καλαμάτα", "we packed the tent", "and the stove")
+    chat(store, "Tents", *[f"tent number {i}" for i in range(30)])
+    chat(store, "中文", "测试中文字符")
+    chat(store, "Symbols", "100% done", "a_b")
+    for q in ("tent", "ten", "ent", "καλαμ", "字符", "100%", "a_b", "Tents", "nothing", '"'):
+        hits = store.search_hits(q, limit=1000)
+        assert store.search(q) == {h.conversation_id for h in hits}, q
+        ids = [h.message_id for h in hits if h.message_id]
+        assert len(ids) == len(set(ids)), q
+    assert len([h for h in store.search_hits("ent", limit=1000) if h.message_id]) == 31

@@ -14,6 +14,7 @@ messages, then attached files' text (schema v5), best first. Pure logic over a c
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from dataclasses import dataclass
 
@@ -113,28 +114,77 @@ def search(db: sqlite3.Connection, text: str, limit: int = 200) -> list[Hit]:
         limit,
     ):
         hits.append(Hit(r[0], r[1], r[2], r[3], ATTACHMENT_ROLE, r[4]))
+    # substring hits: only rows FTS5 matched nowhere (not merely outside its first `limit`)
     pattern = _like(text)
-    for r in db.execute(
+    title_rows = _like_rows(
+        db,
+        "SELECT id, title FROM conversations WHERE title LIKE ? ESCAPE '\\'"
+        " AND rowid NOT IN (SELECT rowid FROM title_fts WHERE title_fts MATCH ?) LIMIT ?",
         "SELECT id, title FROM conversations WHERE title LIKE ? ESCAPE '\\' LIMIT ?",
-        (pattern, limit),
-    ):
+        pattern, query, limit,
+    )
+    for r in title_rows:
         if r[0] not in seen_titles:
             hits.append(Hit(r[0], None, r[1], substring_snippet(r[1], text), "", float("inf")))
-    for r in db.execute(
+    message_sql = (
         "SELECT m.conversation_id, m.id, c.title, m.role, m.content FROM messages m"
         " JOIN conversations c ON c.id = m.conversation_id"
-        " WHERE m.content LIKE ? ESCAPE '\\' ORDER BY m.created DESC LIMIT ?",
-        (pattern, limit),
-    ):
+        " WHERE m.content LIKE ? ESCAPE '\\'{} ORDER BY m.created DESC LIMIT ?"
+    )
+    message_rows = _like_rows(
+        db,
+        message_sql.format(
+            " AND m.rowid NOT IN (SELECT rowid FROM message_fts WHERE message_fts MATCH ?)"
+        ),
+        message_sql.format(""),
+        pattern, query, limit,
+    )
+    for r in message_rows:
         if r[1] not in seen_messages:
             snippet = substring_snippet(r[4], text)
             hits.append(Hit(r[0], r[1], r[2], snippet, r[3], float("inf")))
     return hits
 
 
+def _like_rows(
+    db: sqlite3.Connection, sql: str, fallback: str, pattern: str, query: str, limit: int
+) -> list[sqlite3.Row]:
+    """`sql` (LIKE minus FTS5 matches), or `fallback` (LIKE alone) when the FTS5 query has
+    no tokens (symbols only) and SQLite refuses it."""
+    if query:
+        try:
+            return db.execute(sql, (pattern, query, limit)).fetchall()
+        except sqlite3.OperationalError:
+            pass
+    return db.execute(fallback, (pattern, limit)).fetchall()
+
+
 def matching_chats(db: sqlite3.Connection, text: str) -> set[str]:
-    """Ids of the chats with any hit (the sidebar's filter)."""
-    return {h.conversation_id for h in search(db, text, limit=100_000)}
+    """Ids of the chats with any hit (the sidebar's filter): the same matches as `search`,
+    without ranking or snippets (it runs on every keystroke)."""
+    text = text.strip()
+    if not text:
+        return set()
+    query = fts_query(text)
+    out: set[str] = set()
+    for sql in (
+        "SELECT c.id FROM title_fts JOIN conversations c ON c.rowid = title_fts.rowid"
+        " WHERE title_fts MATCH ?",
+        "SELECT DISTINCT m.conversation_id FROM message_fts"
+        " JOIN messages m ON m.rowid = message_fts.rowid WHERE message_fts MATCH ?",
+        "SELECT DISTINCT m.conversation_id FROM attachment_fts"
+        " JOIN messages m ON m.rowid = attachment_fts.rowid WHERE attachment_fts MATCH ?",
+    ):
+        if query:
+            with contextlib.suppress(sqlite3.OperationalError):  # no tokens: no FTS5 hits
+                out.update(r[0] for r in db.execute(sql, (query,)))
+    pattern = _like(text)
+    out.update(r[0] for r in db.execute(
+        "SELECT id FROM conversations WHERE title LIKE ? ESCAPE '\\' UNION"
+        " SELECT conversation_id FROM messages WHERE content LIKE ? ESCAPE '\\'",
+        (pattern, pattern),
+    ))
+    return out
 
 
 def attachment_index_sql() -> list[str]:
