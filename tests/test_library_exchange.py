@@ -12,6 +12,7 @@ import pytest
 
 from app.core import exchange
 from app.core.exchange import ExchangeError
+from app.core.records import Folder
 from app.core.store import Store
 from tests.library_helpers import build_chat, canonical
 
@@ -60,6 +61,22 @@ def test_export_all_to_a_zip_and_back(store, other, tmp_path):
     assert got == want
 
 
+def test_chats_keep_their_folder_by_name(store, other, tmp_path):
+    ids = build_chat(store, "filed")
+    build_chat(store, "loose")
+    work = store.create_folder("Work")
+    store.move_to_folder([ids["conv"]], work.id)
+    dest, _ = exchange.export_all(store, tmp_path / "all.zip", "json", as_zip=True)
+    exchange.import_file(other, dest)
+    [folder] = other.list_folders()  # made by the import
+    assert folder.name == "Work" and folder.id != work.id
+    by_title = {c.title: c.folder_id for c in other.list_conversations()}
+    assert by_title == {"filed": folder.id, "loose": None}
+    exchange.import_file(other, dest)  # again: into the same folder, not a second one
+    assert [f.name for f in other.list_folders()] == ["Work"]
+    assert sum(c.folder_id == folder.id for c in other.list_conversations()) == 2
+
+
 def test_export_all_to_a_folder_in_each_format(store, tmp_path):
     build_chat(store, "alpha")
     build_chat(store, "beta/gamma")
@@ -102,6 +119,7 @@ def malformed_variants(good: str) -> dict[str, str]:
             lambda d: d["chats"][0]["settings"]["sampling"].__setitem__("temperature", -1)
         ),
         "title missing": edit(lambda d: d["chats"][0].pop("title")),
+        "folder a number": edit(lambda d: d["chats"][0].__setitem__("folder", 5)),
         "colour negative": edit(lambda d: d["chats"][0].__setitem__("color_index", -3)),
         "shown leaf unknown": edit(lambda d: d["chats"][0].__setitem__("active_leaf", "x")),
         # a good first chat and a bad second one: nothing of either is imported
@@ -153,6 +171,10 @@ def test_insert_chats_is_one_transaction(store):
                             (clash.conversation, clash.messages)])
     assert len(store.list_conversations()) == before
     assert store.get_conversation(chat.conversation.id) is None
+    # new folders of an import go in the same transaction
+    with pytest.raises(sqlite3.IntegrityError):
+        store.insert_chats([(clash.conversation, clash.messages)], [Folder("f1", "New", 1.0)])
+    assert store.list_folders() == []
 
 
 def test_markdown_shows_the_branch_or_the_whole_tree(store):

@@ -30,7 +30,7 @@ from pygments.lexers import get_lexer_by_name
 from pygments.lexers.special import TextLexer
 from pygments.util import ClassNotFound
 
-from app.core.records import ChatSettings, Conversation, Message, Status, new_id
+from app.core.records import ChatSettings, Conversation, Folder, Message, Status, new_id
 from app.core.tree import MessageTree
 
 FORMAT = "pagedchat.chats"
@@ -60,6 +60,7 @@ class Chat:
 
     conversation: Conversation
     messages: list[Message]
+    folder: str | None = None  # the name of its folder (ids are not kept across stores)
 
     @property
     def tree(self) -> MessageTree:
@@ -80,6 +81,7 @@ def chat_to_dict(chat: Chat) -> dict[str, Any]:
         "active_leaf": c.active_leaf,
         "color_index": c.color_index,
         "model": c.model,
+        "folder": chat.folder,
         "messages": [
             {
                 "id": m.id,
@@ -235,7 +237,7 @@ def _chat(raw: Any, i: int) -> Chat:
         color_index=color,
         model=_text(raw, "model", where, optional=True) or "",
     )
-    return Chat(conv, messages)
+    return Chat(conv, messages, _text(raw, "folder", where, optional=True))
 
 
 def parse_json(text: str) -> list[Chat]:
@@ -289,7 +291,7 @@ def with_fresh_ids(chat: Chat) -> Chat:
         id=cid,
         active_leaf=ids.get(chat.conversation.active_leaf or ""),
     )
-    return Chat(conv, messages)
+    return Chat(conv, messages, chat.folder)
 
 
 def read_import(path: str | Path) -> list[Chat]:
@@ -332,7 +334,15 @@ def _zip_texts(path: Path) -> list[tuple[str, bytes]]:
 def import_file(store: Any, path: str | Path) -> list[Conversation]:
     """Import a JSON export (or a zip of them) into `store`, all chats in one transaction."""
     chats = read_import(path)
-    store.insert_chats([(c.conversation, c.messages) for c in chats])
+    folders = {f.name: f for f in store.list_folders()}
+    new_folders = []
+    for c in chats:  # into the folder of that name, made (in the same transaction) if new
+        if c.folder:
+            if c.folder not in folders:
+                folders[c.folder] = Folder(new_id(), c.folder, time.time())
+                new_folders.append(folders[c.folder])
+            c.conversation.folder_id = folders[c.folder].id
+    store.insert_chats([(c.conversation, c.messages) for c in chats], new_folders)
     return [c.conversation for c in chats]
 
 
@@ -472,7 +482,8 @@ def load_chat(store: Any, conversation_id: str) -> Chat:
     conv = store.get_conversation(conversation_id)
     if conv is None:
         raise ExchangeError("That chat no longer exists.")
-    return Chat(conv, store.load_messages(conversation_id))
+    folder = store.get_folder(conv.folder_id) if conv.folder_id else None
+    return Chat(conv, store.load_messages(conversation_id), folder.name if folder else None)
 
 
 def export_chat(

@@ -281,17 +281,29 @@ class Store:
         """Ranked hits with highlighted snippets (titles, then messages, best first)."""
         return search.search(self._db, clean_text(text), limit)
 
-    def insert_chats(self, chats: Iterable[tuple[Conversation, Sequence[Message]]]) -> None:
-        """Insert whole conversations (an import) as one transaction: all of them or none.
+    def insert_chats(
+        self,
+        chats: Iterable[tuple[Conversation, Sequence[Message]]],
+        folders: Iterable[Folder] = (),
+    ) -> None:
+        """Insert whole conversations (an import), and the new folders they go into, as one
+        transaction: all of them or none.
 
         Messages go in the order given (parents first; siblings keep their order)."""
-        ops: list[tuple[str, Sequence[Any]]] = []
+        ops: list[tuple[str, Sequence[Any]]] = [
+            (
+                "INSERT INTO folders(id, name, created, settings) VALUES (?, ?, ?, ?)",
+                (f.id, f.name, f.created, self._folder_settings(f.settings)),
+            )
+            for f in folders
+        ]
         for conv, messages in chats:
             conv.title = clean_text(conv.title)
             ops.append(
                 (
                     "INSERT INTO conversations(id, title, created, updated, settings,"
-                    " active_leaf, color_index, model) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    " active_leaf, color_index, model, folder_id)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         conv.id,
                         conv.title,
@@ -301,6 +313,7 @@ class Store:
                         conv.active_leaf,
                         conv.color_index,
                         conv.model,
+                        conv.folder_id,
                     ),
                 )
             )
