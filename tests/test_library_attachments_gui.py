@@ -126,6 +126,19 @@ def test_attach_drop_remove_refuse_and_send(window, qtbot, tmp_path):
     assert [(h.message_id, h.role) for h in hits] == [(user.id, "attachment")]
 
 
+def test_an_edited_message_keeps_its_files(window, qtbot, tmp_path):
+    pane = window.focused_pane
+    (tmp_path / "data.csv").write_text("a,b\n1,2\n", encoding="utf-8")
+    drop_files(pane.input.viewport(), [tmp_path / "data.csv"])
+    type_and_send(qtbot, pane, "Sum the columns")
+    first = pane.session.active_path()[0]
+    assert pane.session.edit_and_resend(first.id, "Average the columns")
+    edited = pane.session.active_path()[0]
+    assert edited.id != first.id and edited.parent_id == first.parent_id
+    stored = window.store.get_message(edited.id)
+    assert [(a.name, a.text) for a in from_meta(stored.meta)] == [("data.csv", "a,b\n1,2\n")]
+
+
 @pytest.mark.slow
 def test_token_count_and_the_over_context_warning(qtbot, qasync_loop, app_env, app_engine,
                                                   tmp_path):

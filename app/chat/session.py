@@ -19,7 +19,7 @@ from typing import Any
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app import colors
-from app.core.attachments import Attachment, to_meta
+from app.core.attachments import Attachment, from_meta, to_meta
 from app.core.records import ChatSettings, Conversation, Message, Status, new_id
 from app.core.session_logic import (
     DEFAULT_TITLE,
@@ -176,7 +176,9 @@ class ChatSession(QObject):
             self.notice.emit("This chat is still answering; stop it first.")
             return False
         old = self.tree.get(message_id)
-        user = self._new_message(old.parent_id, "user", text, Status.COMPLETE)
+        files = from_meta(old.meta)  # the edited version keeps the files of the old one
+        meta = {"attachments": to_meta(files)} if files else None
+        user = self._new_message(old.parent_id, "user", text, Status.COMPLETE, meta)
         self._reply(user.id, n=1)  # on failure the reply shows the error; the text is kept
         return True
 
