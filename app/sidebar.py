@@ -1,10 +1,10 @@
 """The conversation sidebar: search (titles and message text), new, rename, delete, open.
 
 Model/view: ConversationListModel lists the store's conversations (most recent first);
-ConversationFilter narrows them to the ids the store's full-text search returns; while a
-search is typed its ranked hits (app/search_results.py) stand in for the list, and Enter
-opens the first one. Rename
-is in place (F2 or double-click on the title... or the context menu); delete asks first.
+ConversationFilter narrows them to the folder chosen (app/folder_bar.py) and to the ids the
+store's full-text search returns; while a search is typed its ranked hits
+(app/search_results.py) stand in for the list, and Enter opens the first one. Rename is in
+place (F2 or double-click on the title... or the context menu); delete asks first.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from PySide6.QtWidgets import (
 from app import colors, icons
 from app.core.records import Conversation
 from app.core.session_logic import DEFAULT_TITLE
-from app.folder_bar import ALL, FolderPanel, encode_chat_ids
+from app.folder_bar import ALL, CHAT_IDS_MIME, FolderPanel, encode_chat_ids
 from app.search_results import SearchResultsView
 
 ConvIdRole = Qt.ItemDataRole.UserRole + 1
@@ -150,7 +150,7 @@ class ConversationListModel(QAbstractListModel):
         return base | Qt.ItemFlag.ItemIsEditable | Qt.ItemFlag.ItemIsDragEnabled
 
     def mimeTypes(self) -> list[str]:
-        return ["application/x-pagedchat-chat-ids"]
+        return [CHAT_IDS_MIME]
 
     def mimeData(self, indexes: Any) -> Any:
         """The dragged chats' ids, for a drop on a folder (app/folder_bar.py)."""
