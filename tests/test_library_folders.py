@@ -4,13 +4,15 @@ a folder's settings for the chats made in it)."""
 
 from __future__ import annotations
 
+import sqlite3
+
 import pytest
 from PySide6.QtCore import QEvent, QPoint, QPointF, Qt, QTimer
 from PySide6.QtGui import QContextMenuEvent, QDragEnterEvent, QDragMoveEvent, QDropEvent
 from PySide6.QtWidgets import QApplication, QDialogButtonBox, QInputDialog, QLineEdit
 
 from app.core.records import ChatSettings, Message, new_id
-from app.core.store import Store
+from app.core.store import DB_NAME, Store
 from app.engine_bridge import EngineBridge
 from app.main_window import MainWindow
 from engine import SamplingParams
@@ -181,3 +183,28 @@ def test_new_chats_in_a_folder_start_with_its_settings(window, qtbot):
     w.new_chat()
     assert w.store.get_conversation(w.focused_pane.session.id).folder_id is None
     assert w.focused_pane.session.settings.system_prompt == ""
+
+
+def test_salvage_keeps_folders_and_clears_a_dangling_one(tmp_path):
+    from app.core.db_recovery import salvage
+
+    src = Store(tmp_path / "src")
+    a, b = started_chat(src, "a"), started_chat(src, "b")
+    keep = src.create_folder("Keep")
+    src.move_to_folder([a], keep.id)
+    src.close()
+    con = sqlite3.connect(tmp_path / "src" / DB_NAME)  # a folder row lost, its chat kept
+    con.execute("PRAGMA foreign_keys=OFF")
+    con.execute("UPDATE conversations SET folder_id='gone' WHERE id=?", (b,))
+    con.commit()
+    con.close()
+    fresh = Store(tmp_path / "fresh")
+    try:
+        counts, _ = salvage(tmp_path / "src" / DB_NAME, fresh._db)
+        assert counts["folders"] == 1
+        assert [f.name for f in fresh.list_folders()] == ["Keep"]
+        got = {c.id: c.folder_id for c in fresh.list_conversations()}
+        assert got == {a: keep.id, b: None}
+        assert fresh.search("hello from b") == {b}  # salvaged rows are indexed too
+    finally:
+        fresh.close()
