@@ -32,6 +32,8 @@ from app.confirm import confirm_destructive
 from app.core.app_settings import AppSettings
 from app.core.providers import ProviderRegistry
 from app.dock_fit import DockFitter
+from app.folder_bar import ALL as ALL_FOLDERS
+from app.library_flow import LibraryFlow
 from app.monitor import create_monitor_dock
 from app.pane_deck import MAX_PANES, PaneDeck
 from app.qt_util import from_b64, to_b64
@@ -68,6 +70,7 @@ class MainWindow(QMainWindow):
         self.remote = RemoteBridge(self.registry, self)
         self.manager = SessionManager(store, bridge, self, remote=self.remote)
         self.settings_flow = SettingsFlow(self)
+        self.library_flow = LibraryFlow(self)
         self.settings_flow.apply_default_chat_settings()
         self._quitting = False
         self._closed = False
@@ -130,6 +133,11 @@ class MainWindow(QMainWindow):
         self.sidebar.newChatRequested.connect(lambda: self.new_chat())
         self.sidebar.view.openRequested.connect(self.open_chat)
         self.sidebar.view.deleteRequested.connect(lambda cid: self.delete_chat(cid))
+        self.sidebar.results.hitActivated.connect(self.show_hit)
+        folders = self.sidebar.folders.view
+        folders.newChatRequested.connect(lambda fid: self.new_chat(folder_id=fid))
+        folders.deleteRequested.connect(lambda fid: self.library_flow.delete_folder(fid))
+        folders.settingsRequested.connect(self.library_flow.edit_folder_settings)
         self.sidebar.model.renameRequested.connect(self.manager.rename)
         self.manager.conversationsChanged.connect(self._conversations_changed)
         self.manager.busyChanged.connect(self.sidebar.model.set_busy)
@@ -211,11 +219,16 @@ class MainWindow(QMainWindow):
             self._save_soon()
         return pane
 
-    def new_chat(self, new_pane: bool = False) -> ChatPane | None:
+    def new_chat(self, new_pane: bool = False, folder_id: str | None = None) -> ChatPane | None:
+        """A new chat, in the folder given or else the one the sidebar shows."""
         if new_pane and len(self.panes) >= MAX_PANES:
             self.statusBar().showMessage(f"At most {MAX_PANES} panes side by side.", 5000)
             return None
-        session = self.manager.create()  # an empty one it replaces is dropped (open_chat)
+        if folder_id is None:
+            shown = self.sidebar.folders.view.current_folder()
+            folder_id = None if shown == ALL_FOLDERS else shown
+        # an empty one it replaces is dropped (open_chat)
+        session = self.manager.create(folder_id=folder_id)
         return self.open_chat(session.id, new_pane=new_pane)
 
     # ---- chat commands -------------------------------------------------------------------
@@ -283,6 +296,14 @@ class MainWindow(QMainWindow):
         self.deck.drop_chat(conversation_id, self.manager.latest_or_new)
         self._save_soon()
         return True
+
+    # ---- the library: search hits, export and import (app/library_dialogs.py) ------------
+
+    def show_hit(self, conversation_id: str, message_id: str | None) -> None:
+        """A search hit: its chat in a pane (the focused one unless open), at the message."""
+        pane = self.open_chat(conversation_id)
+        if pane is not None and message_id is not None:
+            pane.reveal_message(message_id)
 
     def toggle_sidebar(self, checked: bool | None = None) -> None:
         on = self.act_sidebar.isChecked() if checked is None else bool(checked)

@@ -1,8 +1,10 @@
 """The conversation sidebar: search (titles and message text), new, rename, delete, open.
 
 Model/view: ConversationListModel lists the store's conversations (most recent first);
-ConversationFilter narrows them to the ids the store's full-text LIKE search returns. Rename
-is in place (F2 or double-click on the title... or the context menu); delete asks first.
+ConversationFilter narrows them to the folder chosen (app/folder_bar.py) and to the ids the
+store's full-text search returns; while a search is typed its ranked hits
+(app/search_results.py) stand in for the list, and Enter opens the first one. Rename is in
+place (F2 or double-click on the title... or the context menu); delete asks first.
 """
 
 from __future__ import annotations
@@ -50,12 +52,15 @@ from PySide6.QtWidgets import (
 from app import colors, icons
 from app.core.records import Conversation
 from app.core.session_logic import DEFAULT_TITLE
+from app.folder_bar import ALL, CHAT_IDS_MIME, FolderPanel, encode_chat_ids
+from app.search_results import SearchResultsView
 
 ConvIdRole = Qt.ItemDataRole.UserRole + 1
 UpdatedRole = Qt.ItemDataRole.UserRole + 2
 BusyRole = Qt.ItemDataRole.UserRole + 3
 StartedRole = Qt.ItemDataRole.UserRole + 4  # written in or named (else not listed yet)
 ModelRole = Qt.ItemDataRole.UserRole + 5  # the chat's remote model ("" for the local one)
+FolderRole = Qt.ItemDataRole.UserRole + 6  # the chat's folder id (None: the top level)
 
 
 def relative_time(ts: float, now: float | None = None) -> str:
@@ -120,6 +125,8 @@ class ConversationListModel(QAbstractListModel):
             return c.id in self._busy
         if role == StartedRole:  # written in, or named by the user
             return c.active_leaf is not None or c.title != DEFAULT_TITLE
+        if role == FolderRole:
+            return c.folder_id
         return None
 
     def setData(
@@ -138,7 +145,17 @@ class ConversationListModel(QAbstractListModel):
 
     def flags(self, index: QModelIndex | QPersistentModelIndex) -> Qt.ItemFlag:
         base = super().flags(index)
-        return base | Qt.ItemFlag.ItemIsEditable if index.isValid() else base
+        if not index.isValid():
+            return base
+        return base | Qt.ItemFlag.ItemIsEditable | Qt.ItemFlag.ItemIsDragEnabled
+
+    def mimeTypes(self) -> list[str]:
+        return [CHAT_IDS_MIME]
+
+    def mimeData(self, indexes: Any) -> Any:
+        """The dragged chats' ids, for a drop on a folder (app/folder_bar.py)."""
+        ids = [self._items[i.row()].id for i in indexes if i.isValid()]
+        return encode_chat_ids(list(dict.fromkeys(ids)))
 
     def row_of(self, conversation_id: str) -> int:
         for i, c in enumerate(self._items):
@@ -157,6 +174,7 @@ class ConversationFilter(QSortFilterProxyModel):
         self.store = store
         self.query = ""
         self._ids: set[str] | None = None
+        self.folder = ALL  # the folder shown (ALL: every chat)
 
     def _set_ids(self, ids: set[str] | None) -> None:
         if hasattr(self, "beginFilterChange"):  # Qt >= 6.9
@@ -175,9 +193,15 @@ class ConversationFilter(QSortFilterProxyModel):
         if self.query:
             self._set_ids(self.store.search(self.query))
 
+    def set_folder(self, folder_id: str) -> None:
+        self.folder = folder_id
+        self._set_ids(self._ids)
+
     def filterAcceptsRow(self, row: int, parent: QModelIndex | QPersistentModelIndex) -> bool:
         idx = self.sourceModel().index(row, 0, parent)
         if not idx.data(StartedRole):
+            return False
+        if self.folder != ALL and idx.data(FolderRole) != self.folder:
             return False
         return self._ids is None or idx.data(ConvIdRole) in self._ids
 
@@ -344,12 +368,25 @@ class Sidebar(QFrame):
         self.search.installEventFilter(self)
         layout.addWidget(self.search)
 
+        self.folders = FolderPanel(store, self)
+        layout.addWidget(self.folders)
+
         self.model = ConversationListModel(store, self)
         self.proxy = ConversationFilter(store, self)
         self.proxy.setSourceModel(self.model)
         self.view = ConversationListView()
         self.view.setModel(self.proxy)
+        self.view.setDragEnabled(True)  # onto a folder (app/folder_bar.py)
+        self.view.setDragDropMode(QAbstractItemView.DragDropMode.DragOnly)
+        self.folders.changed.connect(self.reload)
+        self.folders.view.folderChosen.connect(self._folder_chosen)
         layout.addWidget(self.view, 1)
+
+        # while a search is typed: its ranked hits with snippets, in place of the list
+        self.results = SearchResultsView()
+        self.results.hide()
+        self.results.escapePressed.connect(self._clear_search_from_results)
+        layout.addWidget(self.results, 1)
 
         self.empty = QLabel("No chats match.")
         self.empty.setObjectName("sidebarEmpty")
@@ -368,25 +405,39 @@ class Sidebar(QFrame):
     def _apply_search(self) -> None:
         query = self.search.text().strip()
         self.proxy.set_query(query)
-        none = bool(query) and self.proxy.rowCount() == 0
+        listed = set(self.visible_ids())  # hits in chats the list shows (not empty ones)
+        hits = [h for h in self.store.search_hits(query) if h.conversation_id in listed]
+        self.results.set_hits(hits if query else [])
+        none = bool(query) and not hits
         if none:
             shown = query if len(query) <= 40 else query[:39] + "…"
             self.empty.setText(f"No chats match “{shown}”.\nEsc clears the search.")
         self.empty.setVisible(none)
-        self.view.setVisible(not none)
+        self.view.setVisible(not query)
+        self.results.setVisible(bool(hits))
         if self.current_id:
             self.select(self.current_id)
 
     def eventFilter(self, obj: Any, event: Any) -> bool:
-        if (
-            obj is self.search
-            and event.type() == QEvent.Type.KeyPress
-            and event.key() == Qt.Key.Key_Escape
-            and self.search.text()
-        ):
-            self.set_search("")
-            return True
+        if obj is self.search and event.type() == QEvent.Type.KeyPress and self.search.text():
+            key = event.key()
+            if key == Qt.Key.Key_Escape:
+                self.set_search("")
+                return True
+            if key in (Qt.Key.Key_Return, Qt.Key.Key_Enter, Qt.Key.Key_Down):
+                if self._search_timer.isActive():  # typed faster than the search delay
+                    self._search_timer.stop()
+                    self._apply_search()
+                if key == Qt.Key.Key_Down:
+                    self.results.setFocus()
+                else:
+                    self.results.activate_current()  # the first hit unless moved to another
+                return True
         return super().eventFilter(obj, event)
+
+    def _clear_search_from_results(self) -> None:
+        self.set_search("")
+        self.search.setFocus()
 
     def set_search(self, text: str) -> None:
         """Search at once (no typing delay): used by tests and the Find action."""
@@ -394,12 +445,18 @@ class Sidebar(QFrame):
         self._search_timer.stop()
         self._apply_search()
 
+    def _folder_chosen(self, folder_id: str) -> None:
+        self.proxy.set_folder(folder_id)
+        if self.search.text().strip():
+            self._apply_search()
+
     def visible_ids(self) -> list[str]:
         return [self.proxy.index(r, 0).data(ConvIdRole) for r in range(self.proxy.rowCount())]
 
     def reload(self) -> None:
         self.model.reload()
         self.proxy.refresh()
+        self.folders.reload()  # names and chat counts
         if self.current_id:
             self.select(self.current_id)
 

@@ -243,7 +243,36 @@ def _build_v1(path: Path) -> dict:
     return {"m1": "hi", "m2": "hello"}
 
 
-BUILDERS = {0: _build_v0, 1: _build_v1}
+def _build_v2(path: Path) -> dict:
+    """Version 2 (a chat's model), as PagedChat wrote it before full-text search (v3)."""
+    expected = _build_v1(path)
+    con = sqlite3.connect(path)
+    con.execute("ALTER TABLE conversations ADD COLUMN model TEXT NOT NULL DEFAULT ''")
+    con.execute("PRAGMA user_version=2")
+    con.commit()
+    con.close()
+    return expected
+
+
+def _build_by_shipped_step(version: int, doc: str):
+    """A file of `version`: the one before it, then the migration step as shipped."""
+
+    def build(path: Path) -> dict:
+        expected = BUILDERS[version - 1](path)
+        con = sqlite3.connect(path)
+        schema.MIGRATIONS[version - 1](con)
+        con.execute(f"PRAGMA user_version={version}")
+        con.commit()
+        con.close()
+        return expected
+
+    build.__doc__ = doc
+    return build
+
+
+BUILDERS = {0: _build_v0, 1: _build_v1, 2: _build_v2}
+BUILDERS[3] = _build_by_shipped_step(3, "full-text search, before folders (v4)")
+BUILDERS[4] = _build_by_shipped_step(4, "folders, before search in attachments (v5)")
 
 
 def test_there_is_a_builder_for_every_earlier_schema():
@@ -260,10 +289,12 @@ def test_migrates_from_every_earlier_schema(tmp_path, version):
     con.close()
     got = {m.id: m.content for c in store.list_conversations() for m in store.load_messages(c.id)}
     assert got == expected
-    if version == 1:
+    if version >= 1:
         [conv] = store.list_conversations()
         assert (conv.title, conv.active_leaf, conv.color_index) == ("Made by v1", "m2", 3)
         assert conv.model == ""  # v2: chats made before providers talk to the local engine
+        assert conv.folder_id is None  # v4: chats made before folders are at the top level
+        assert store.search("hello") == {"c1"}  # v3: chats made before search are indexed
         assert store.get_value("app_settings") == {"theme": "dark"}
         reply = store.get_message("m2")
         assert reply.status == "interrupted" and reply.meta["usage"]["prompt_tokens"] == 4
@@ -274,11 +305,11 @@ def test_adding_a_migration_is_one_function(tmp_path, monkeypatch):
     _build_v1(tmp_path / DB_NAME)
     ran = []
 
-    def add_folders(db):
+    def add_tags(db):  # (folders are a real migration now: the example is another table)
         ran.append(True)
-        db.execute("CREATE TABLE folders (id TEXT PRIMARY KEY, name TEXT NOT NULL)")
+        db.execute("CREATE TABLE tags (id TEXT PRIMARY KEY, name TEXT NOT NULL)")
 
-    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, add_folders])
+    monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, add_tags])
     store = Store(tmp_path)
     assert store.recovery is None and ran == [True]
     assert [m.id for m in store.load_messages("c1")] == ["m1", "m2"]
@@ -295,7 +326,7 @@ def test_a_failing_migration_leaves_the_file_unchanged(tmp_path, monkeypatch):
     before = read_messages(tmp_path)
 
     def broken(db):
-        db.execute("CREATE TABLE folders (id TEXT PRIMARY KEY)")
+        db.execute("CREATE TABLE tags (id TEXT PRIMARY KEY)")
         db.execute("INSERT INTO no_such_table VALUES (1)")
 
     monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, broken])
@@ -303,6 +334,8 @@ def test_a_failing_migration_leaves_the_file_unchanged(tmp_path, monkeypatch):
         Store(tmp_path)
     con = sqlite3.connect(tmp_path / DB_NAME)
     assert con.execute("PRAGMA user_version").fetchone()[0] == 1
-    assert con.execute("SELECT name FROM sqlite_master WHERE name='folders'").fetchone() is None
+    for table in ("tags", "folders", "message_fts"):  # nothing of any step is left
+        found = con.execute("SELECT name FROM sqlite_master WHERE name=?", (table,))
+        assert found.fetchone() is None
     con.close()
     assert read_messages(tmp_path) == before

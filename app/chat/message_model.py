@@ -17,9 +17,11 @@ from typing import Any
 from PySide6.QtCore import QAbstractListModel, QModelIndex, QObject, QPersistentModelIndex, Qt
 from PySide6.QtGui import QFont, QTextDocument, QTextOption
 
+from app.chat.attachment_bar import chips_html
 from app.chat.markdown import Rendered, StreamingRenderer, plain_html, render_markdown
 from app.chat.session import ChatSession
 from app.chat.throttle import RenderThrottle, shared_throttle
+from app.core.attachments import from_meta
 from app.core.records import Message, Status
 from app.qt_util import disconnect
 from app.theme import MarkdownTheme, theme_manager
@@ -181,6 +183,9 @@ class ChatMessageModel(QAbstractListModel):
             rendered = render_markdown(msg.content, theme)
             self.full_renders += 1
         html = rendered.html
+        files = from_meta(msg.meta)
+        if files:  # the message's attachments as chips
+            html += chips_html(files, theme.inline_code_bg)
         if msg.status == Status.ERROR and msg.meta.get("error"):
             html += f'<p style="color:#d64545;">{escape(sentence(str(msg.meta["error"])))}</p>'
         doc = QTextDocument()

@@ -72,6 +72,16 @@ class MessageListView(QListView):
             self._stick = True
             QTimer.singleShot(0, self, self.scrollToBottom)  # cancelled if the view goes
 
+    def scroll_to_row(self, row: int) -> None:
+        """Select a row and scroll it to the top (a search hit); stop following the bottom."""
+        model = self.model()
+        if model is None or not 0 <= row < model.rowCount():
+            return
+        index = model.index(row, 0)
+        self._stick = False
+        self.setCurrentIndex(index)
+        self.scrollTo(index, QAbstractItemView.ScrollHint.PositionAtTop)
+
     def chat_model(self) -> ChatMessageModel:
         return self.model()  # type: ignore[return-value]
 

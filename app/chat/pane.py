@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 )
 
 from app import colors, icons
+from app.chat.attachment_bar import AttachmentBar
 from app.chat.chat_settings_dialog import ChatSettingsDialog
 from app.chat.input_box import InputBox
 from app.chat.message_model import ChatMessageModel
@@ -182,6 +183,12 @@ class ChatPane(QFrame):
         wl = QVBoxLayout(wrap)
         wl.setContentsMargins(12, 4, 12, 2)
         wl.addWidget(composer)
+        self.attachments = AttachmentBar(self)  # files for the next message (chips, tokens)
+        self.attachments.notice.connect(self.show_notice)
+        self.attachments.accept_drops_on(self.input.viewport())
+        self.attachments.count_tokens = self.bridge.count_tokens
+        self.attachments.context_left = self._context_left
+        layout.addWidget(self.attachments)
         layout.addWidget(wrap)
 
         self.footer = ElidedLabel()
@@ -346,7 +353,9 @@ class ChatPane(QFrame):
             self.edit_banner.hide()
             ok = self.session.edit_and_resend(mid, text)
         else:
-            ok = self.session.send(text)
+            ok = self.session.send(text, self.attachments.pending)
+            if ok:
+                self.attachments.take()
         if ok:
             self.input.clear()
             self.view.scrollToBottom()
@@ -382,6 +391,26 @@ class ChatPane(QFrame):
         cursor = self.input.textCursor()
         cursor.movePosition(cursor.MoveOperation.End)
         self.input.setTextCursor(cursor)
+
+    def reveal_message(self, message_id: str) -> bool:
+        """Show a message (a search hit): its branch, selected and scrolled to the top. The
+        scroll waits for the event loop's turn, after the view's own scroll to the bottom
+        that a newly shown chat queues."""
+        if self.session is None or not self.session.show_branch(message_id):
+            return False
+
+        def scroll() -> None:
+            if self.model is not None:
+                self.view.scroll_to_row(self.model.row_of(message_id))
+
+        QTimer.singleShot(0, self, scroll)
+        return True
+
+    def _context_left(self) -> int | None:
+        """Tokens the model's context has left after the chat so far (None: not known)."""
+        limit = self.bridge.max_context
+        used = self.session.context_tokens if self.session is not None else None
+        return None if not limit or used is None else max(0, limit - used)
 
     def _escape(self) -> None:
         if self._editing is not None:

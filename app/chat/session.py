@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app import colors
+from app.core.attachments import Attachment, from_meta, to_meta
 from app.core.records import ChatSettings, Conversation, Message, Status, new_id
 from app.core.session_logic import (
     DEFAULT_TITLE,
@@ -126,19 +128,21 @@ class ChatSession(QObject):
 
     # ---- actions -------------------------------------------------------------------------
 
-    def send(self, text: str) -> bool:
-        """Append a user message to the visible path and ask for a reply."""
-        if not text.strip():
+    def send(self, text: str, attachments: Sequence[Attachment] = ()) -> bool:
+        """Append a user message (with the files attached to it) to the visible path and ask
+        for a reply."""
+        if not text.strip() and not attachments:
             self.notice.emit("Type a message first.")
             return False
         if self.busy:
             self.notice.emit("This chat is still answering; stop it first.")
             return False
         parent = self.tree.active_leaf
-        user = self._new_message(parent, "user", text, Status.COMPLETE)
+        meta = {"attachments": to_meta(attachments)} if attachments else None
+        user = self._new_message(parent, "user", text, Status.COMPLETE, meta)
         self._reply(user.id, n=1)
         if self.title == DEFAULT_TITLE:  # after the reply is on the path: the chat has begun
-            self.rename(title_from(text))
+            self.rename(title_from(text or attachments[0].name))
         return True
 
     def regenerate(self, message_id: str | None = None, n: int = 1) -> bool:
@@ -172,7 +176,9 @@ class ChatSession(QObject):
             self.notice.emit("This chat is still answering; stop it first.")
             return False
         old = self.tree.get(message_id)
-        user = self._new_message(old.parent_id, "user", text, Status.COMPLETE)
+        files = from_meta(old.meta)  # the edited version keeps the files of the old one
+        meta = {"attachments": to_meta(files)} if files else None
+        user = self._new_message(old.parent_id, "user", text, Status.COMPLETE, meta)
         self._reply(user.id, n=1)  # on failure the reply shows the error; the text is kept
         return True
 
@@ -183,6 +189,15 @@ class ChatSession(QObject):
         self._persist_choices(changes)
         self.pathChanged.emit()
         self._refresh_context()
+        return True
+
+    def show_branch(self, message_id: str) -> bool:
+        """Make the branch through `message_id` the one shown (a search hit may sit on an
+        alternative that is not); False when the message is not in this chat."""
+        if message_id not in self.tree:
+            return False
+        if message_id not in {m.id for m in self.active_path()}:
+            self._activate(message_id)
         return True
 
     def stop(self) -> None:
@@ -214,7 +229,14 @@ class ChatSession(QObject):
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _new_message(self, parent_id: str | None, role: str, content: str, status: str) -> Message:
+    def _new_message(
+        self,
+        parent_id: str | None,
+        role: str,
+        content: str,
+        status: str,
+        meta: dict[str, Any] | None = None,
+    ) -> Message:
         msg = Message(
             id=new_id(),
             conversation_id=self.id,
@@ -222,6 +244,7 @@ class ChatSession(QObject):
             role=role,
             content=content,
             status=status,
+            meta=meta or {},
         )
         self.store.add_message(msg)
         self.tree.add(msg)
@@ -406,10 +429,19 @@ class SessionManager(QObject):
         return session
 
     def create(
-        self, title: str = DEFAULT_TITLE, settings: ChatSettings | None = None
+        self,
+        title: str = DEFAULT_TITLE,
+        settings: ChatSettings | None = None,
+        folder_id: str | None = None,
     ) -> ChatSession:
+        """A new chat (in a folder: with the folder's settings, when it carries some)."""
+        folder = self.store.get_folder(folder_id) if folder_id else None
+        if settings is None and folder is not None and folder.settings is not None:
+            settings = copy_settings(folder.settings)
         settings = settings or copy_settings(self.default_settings)
-        conv = self.store.create_conversation(title, settings)
+        conv = self.store.create_conversation(
+            title, settings, folder.id if folder is not None else None
+        )
         session = self._adopt(conv)
         self.conversationsChanged.emit()
         return session

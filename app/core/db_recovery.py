@@ -239,6 +239,12 @@ def _fill(table: str, row: dict[str, Any], now: float) -> dict[str, Any] | None:
         out["meta"] = out["meta"] if isinstance(out["meta"], str) else "{}"
     elif table == "kv" and (not isinstance(out["key"], str) or out["value"] is None):
         return None
+    elif table == "folders":
+        if not isinstance(out["id"], str):
+            return None
+        out["name"] = out["name"] if isinstance(out["name"], str) else "Recovered folder"
+        out["created"] = out["created"] if out["created"] is not None else now
+        out["settings"] = out["settings"] if isinstance(out["settings"], str) else None
     return out
 
 
@@ -316,6 +322,10 @@ def _salvage_into(
         fresh.execute(
             "UPDATE messages SET active_child=NULL WHERE active_child IS NOT NULL "
             "AND active_child NOT IN (SELECT id FROM messages)"
+        )
+        fresh.execute(
+            "UPDATE conversations SET folder_id=NULL WHERE folder_id IS NOT NULL "
+            "AND folder_id NOT IN (SELECT id FROM folders)"
         )
         fresh.execute(
             "UPDATE conversations SET active_leaf=NULL WHERE active_leaf IS NOT NULL "

@@ -60,6 +60,17 @@ class Conversation:
     active_leaf: str | None = None
     color_index: int = 0
     model: str = ""  # "" = the local engine; else "<provider id>:<model id>" (core.providers)
+    folder_id: str | None = None  # None: the top level
+
+
+@dataclass
+class Folder:
+    """A named group of chats; `settings` (if set) is what its new chats start with."""
+
+    id: str
+    name: str
+    created: float
+    settings: ChatSettings | None = None
 
 
 @dataclass

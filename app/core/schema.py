@@ -1,7 +1,7 @@
 """The database schema as a list of versioned migrations (`PRAGMA user_version`).
 
 `MIGRATIONS[i]` takes a database from schema version i to i + 1, so adding a schema change
-(full-text search, folders, ...) is one function appended to the list and nothing else: a
+(a new table, a new column...) is one function appended to the list and nothing else: a
 database of any earlier version is brought forward step by step, each run of steps in one
 transaction, so a failed migration leaves the file exactly as it was. Version 0 is "nothing
 yet"; version 1 is the schema PagedChat shipped first (app/store.py at commit 047710a).
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable
+
+from app.core import search
 
 Migration = Callable[[sqlite3.Connection], None]
 
@@ -63,7 +65,50 @@ def _v2(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE conversations ADD COLUMN model TEXT NOT NULL DEFAULT ''")
 
 
-MIGRATIONS: list[Migration] = [_v1, _v2]
+def _need(db: sqlite3.Connection, table: str, *columns: str) -> None:
+    """A step that reads existing columns first checks they are there: tables of the same
+    name from something else are salvaged (SchemaError), not a failed upgrade."""
+    missing = [c for c in columns if c not in table_columns(db, table)]
+    if missing:
+        raise SchemaError(f"table {table!r} lacks column(s) {', '.join(missing)}")
+
+
+def _v3(db: sqlite3.Connection) -> None:
+    """Full-text search (app/core/search): FTS5 indexes of titles and messages, kept by
+    triggers, filled from the chats already there."""
+    _need(db, "messages", "content")
+    _need(db, "conversations", "title")
+    for statement in search.index_sql():
+        db.execute(statement)
+
+
+def _v4(db: sqlite3.Connection) -> None:
+    """Folders: a chat may sit in one (NULL: the top level). A folder may carry the settings
+    its new chats start with (NULL: the app's defaults). Deleting a folder moves its chats to
+    the top level (ON DELETE SET NULL), never deletes them."""
+    db.execute(
+        """CREATE TABLE folders (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL,
+            created REAL NOT NULL,
+            settings TEXT
+        )"""
+    )
+    db.execute(
+        "ALTER TABLE conversations ADD COLUMN folder_id TEXT"
+        " REFERENCES folders(id) ON DELETE SET NULL"
+    )
+
+
+def _v5(db: sqlite3.Connection) -> None:
+    """Search in attached files: an FTS5 index of `meta["attachments"]` texts, filled from
+    the messages already there."""
+    _need(db, "messages", "meta")
+    for statement in search.attachment_index_sql():
+        db.execute(statement)
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5]
 
 # The columns each table must have once migrated (checked after every open: a table of the
 # same name from something else, or a half-applied old schema, is caught here).
@@ -77,6 +122,7 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
         "active_leaf",
         "color_index",
         "model",
+        "folder_id",
     ),
     "messages": (
         "id",
@@ -90,6 +136,7 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
         "meta",
     ),
     "kv": ("key", "value"),
+    "folders": ("id", "name", "created", "settings"),
 }
 
 

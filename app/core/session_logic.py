@@ -11,6 +11,7 @@ import dataclasses
 import time
 from typing import Any
 
+from app.core.attachments import from_meta, prompt_content
 from app.core.records import ChatSettings, Message, Status, new_id
 from engine import FinishReason, Usage
 
@@ -47,7 +48,7 @@ def prompt_messages(system_prompt: str, path: list[Message]) -> list[dict[str, s
     for m in path:
         if m.role == "assistant" and (m.status == Status.ERROR or not m.content):
             continue  # a failed or empty reply carries nothing for the model
-        out.append({"role": m.role, "content": m.content})
+        out.append({"role": m.role, "content": prompt_content(m.content, from_meta(m.meta))})
     return out
 
 

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from app.core import schema
+from app.core import schema, search
 from app.core.db_recovery import Recovery, StoreOpenError, open_checked
 from app.core.db_writer import SaveState, WriteBehind
-from app.core.records import ChatSettings, Conversation, Message, Status, new_id
+from app.core.records import ChatSettings, Conversation, Folder, Message, Status, new_id
 
 __all__ = ["DB_NAME", "Recovery", "SaveState", "Store", "StoreOpenError", "clean_text"]
 
@@ -59,11 +59,6 @@ def _clean(args: Iterable[Any]) -> tuple[Any, ...]:
 
 def _json(value: Any) -> str:
     return clean_text(json.dumps(value, ensure_ascii=False))
-
-
-def _like_pattern(text: str) -> str:
-    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    return f"%{escaped}%"
 
 
 class Store:
@@ -129,7 +124,10 @@ class Store:
     # ---- conversations -------------------------------------------------------------------
 
     def create_conversation(
-        self, title: str = "New Chat", settings: ChatSettings | None = None
+        self,
+        title: str = "New Chat",
+        settings: ChatSettings | None = None,
+        folder_id: str | None = None,
     ) -> Conversation:
         now = time.time()
         index = int(self.get_value("next_color_index", 0) or 0)
@@ -141,11 +139,12 @@ class Store:
             updated=now,
             settings=settings or ChatSettings(),
             color_index=index,
+            folder_id=folder_id,
         )
         conv.title = clean_text(conv.title)
         self._write(
             "INSERT INTO conversations(id, title, created, updated, settings, active_leaf,"
-            " color_index) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            " color_index, folder_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 conv.id,
                 conv.title,
@@ -154,6 +153,7 @@ class Store:
                 _json(conv.settings.to_dict()),
                 None,
                 conv.color_index,
+                conv.folder_id,
             ),
         )
         return conv
@@ -172,6 +172,7 @@ class Store:
             active_leaf=row["active_leaf"],
             color_index=row["color_index"],
             model=row["model"] or "",
+            folder_id=row["folder_id"],
         )
 
     def list_conversations(self) -> list[Conversation]:
@@ -212,15 +213,113 @@ class Store:
     def set_active_leaf(self, conversation_id: str, leaf_id: str | None) -> None:
         self._write("UPDATE conversations SET active_leaf=? WHERE id=?", (leaf_id, conversation_id))
 
-    def search(self, text: str) -> set[str]:
-        """Ids of conversations whose title or any message contains `text` (case-insensitive)."""
-        pattern = _like_pattern(text)
-        rows = self._db.execute(
-            "SELECT id FROM conversations WHERE title LIKE ? ESCAPE '\\' "
-            "UNION SELECT DISTINCT conversation_id FROM messages WHERE content LIKE ? ESCAPE '\\'",
-            _clean((pattern, pattern)),
+    # ---- folders -------------------------------------------------------------------------
+
+    def create_folder(self, name: str, settings: ChatSettings | None = None) -> Folder:
+        folder = Folder(new_id(), clean_text(name), time.time(), settings)
+        self._write(
+            "INSERT INTO folders(id, name, created, settings) VALUES (?, ?, ?, ?)",
+            (folder.id, folder.name, folder.created, self._folder_settings(settings)),
         )
-        return {r[0] for r in rows}
+        return folder
+
+    @staticmethod
+    def _folder_settings(settings: ChatSettings | None) -> str | None:
+        return None if settings is None else _json(settings.to_dict())
+
+    def list_folders(self) -> list[Folder]:
+        """All folders, by name (case-insensitive), then age."""
+        rows = self._db.execute("SELECT * FROM folders ORDER BY lower(name), created")
+        out = []
+        for r in rows:
+            settings = None
+            if r["settings"]:
+                try:
+                    settings = ChatSettings.from_dict(json.loads(r["settings"]))
+                except ValueError:
+                    settings = None
+            out.append(Folder(r["id"], r["name"], r["created"], settings))
+        return out
+
+    def get_folder(self, folder_id: str) -> Folder | None:
+        return next((f for f in self.list_folders() if f.id == folder_id), None)
+
+    def rename_folder(self, folder_id: str, name: str) -> None:
+        self._write("UPDATE folders SET name=? WHERE id=?", (name, folder_id))
+
+    def set_folder_settings(self, folder_id: str, settings: ChatSettings | None) -> None:
+        """What new chats in the folder start with (None: the app's defaults)."""
+        self._write(
+            "UPDATE folders SET settings=? WHERE id=?",
+            (self._folder_settings(settings), folder_id),
+        )
+
+    def delete_folder(self, folder_id: str) -> None:
+        """Delete a folder; its chats move to the top level (one transaction)."""
+        self._write_many(
+            [
+                ("UPDATE conversations SET folder_id=NULL WHERE folder_id=?", (folder_id,)),
+                ("DELETE FROM folders WHERE id=?", (folder_id,)),
+            ]
+        )
+
+    def move_to_folder(self, conversation_ids: Iterable[str], folder_id: str | None) -> None:
+        """Put chats into a folder (None: the top level), all in one transaction."""
+        ops = [
+            ("UPDATE conversations SET folder_id=? WHERE id=?", (folder_id, cid))
+            for cid in conversation_ids
+        ]
+        if ops:
+            self._write_many(ops)
+
+    def search(self, text: str) -> set[str]:
+        """Ids of conversations whose title or any message matches `text` (app/core/search:
+        FTS5 words by prefix, or a case-insensitive substring)."""
+        return search.matching_chats(self._db, clean_text(text))
+
+    def search_hits(self, text: str, limit: int = 200) -> list[search.Hit]:
+        """Ranked hits with highlighted snippets (titles, then messages, best first)."""
+        return search.search(self._db, clean_text(text), limit)
+
+    def insert_chats(
+        self,
+        chats: Iterable[tuple[Conversation, Sequence[Message]]],
+        folders: Iterable[Folder] = (),
+    ) -> None:
+        """Insert whole conversations (an import), and the new folders they go into, as one
+        transaction: all of them or none.
+
+        Messages go in the order given (parents first; siblings keep their order)."""
+        ops: list[tuple[str, Sequence[Any]]] = [
+            (
+                "INSERT INTO folders(id, name, created, settings) VALUES (?, ?, ?, ?)",
+                (f.id, f.name, f.created, self._folder_settings(f.settings)),
+            )
+            for f in folders
+        ]
+        for conv, messages in chats:
+            conv.title = clean_text(conv.title)
+            ops.append(
+                (
+                    "INSERT INTO conversations(id, title, created, updated, settings,"
+                    " active_leaf, color_index, model, folder_id)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        conv.id,
+                        conv.title,
+                        conv.created,
+                        conv.updated,
+                        _json(conv.settings.to_dict()),
+                        conv.active_leaf,
+                        conv.color_index,
+                        conv.model,
+                        conv.folder_id,
+                    ),
+                )
+            )
+            ops.extend(self._insert_message(m) for m in messages)
+        if ops:
+            self._write_many(ops)
 
     # ---- messages ------------------------------------------------------------------------
 
