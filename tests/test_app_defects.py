@@ -350,6 +350,26 @@ def test_an_800x600_window_keeps_the_chat_usable(window, qtbot):
     assert window.monitor_dock.isVisible()
 
 
+def test_four_panes_and_the_monitor_shrink_to_800x600_in_one_resize(window, qtbot):
+    """A window's minimum size includes its dock's: the unscrolled monitor (~210 x 550 px)
+    held a window with four panes at 897 x 637, so a resize to 800x600 never got there and
+    the monitor (hidden only below 1000 px) stayed."""
+    window.resize(1500, 900)
+    qtbot.waitUntil(lambda: window.width() == 1500 and window.monitor_dock.isVisible())
+    _open_four_panes(qtbot, window)
+    window.resize(800, 600)
+    qtbot.waitUntil(lambda: (window.width(), window.height()) == (800, 600))
+    qtbot.waitUntil(lambda: not window.monitor_dock.isVisible())
+    qtbot.waitUntil(lambda: all(p.isVisible() and p.width() >= 140 for p in window.panes))
+    # shown again by the user at this size, the monitor takes what the panes leave (it
+    # scrolls) and neither widens the window nor squeezes the panes
+    window.act_monitor.trigger()
+    qtbot.waitUntil(lambda: window.monitor_dock.isVisible())
+    QApplication.processEvents()
+    assert (window.width(), window.height()) == (800, 600)
+    assert all(p.width() >= 140 for p in window.panes), [p.width() for p in window.panes]
+
+
 def test_the_monitor_comes_back_when_the_window_widens(window, qtbot):
     window.resize(1380, 860)
     qtbot.waitUntil(lambda: window.width() == 1380 and window.monitor_dock.isVisible())

@@ -41,12 +41,16 @@ class Driver:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    async def until(self, what: str, cond: Any, timeout: float = STEP_TIMEOUT_S) -> None:
-        """Wait (the event loop keeps running) until cond() is true."""
+    async def until(
+        self, what: str, cond: Any, timeout: float = STEP_TIMEOUT_S, seen: Any = None
+    ) -> None:
+        """Wait (the event loop keeps running) until cond() is true; `seen()` says what there
+        was instead when it never is."""
         end = time.monotonic() + timeout
         while not cond():
             if time.monotonic() > end:
-                raise StepFailed(f"timed out waiting for {what}")
+                extra = f" (got {seen()})" if seen is not None else ""
+                raise StepFailed(f"timed out waiting for {what}{extra}")
             await asyncio.sleep(0.05)
 
     async def settle(self) -> None:
@@ -274,14 +278,19 @@ class Driver:
             raise StepFailed("the deleted chat is still there")
         await self.shot("deleted-streaming-chat")
 
+        def size() -> str:
+            return f"{w.width()}x{w.height()}, minimum {w.minimumSizeHint().toTuple()}"
+
         await self.act(lambda: w.resize(800, 600))
-        await self.until("800x600", lambda: w.width() == 800, 20)
+        await self.until("800x600", lambda: (w.width(), w.height()) == (800, 600), 20, size)
+        await self.until("the monitor to step aside", lambda: not w.monitor_dock.isVisible(), 20)
         await self.settle()
-        if any(p.width() < 100 for p in w.panes):
+        if any(p.width() < 140 for p in w.panes):
             raise StepFailed(f"panes too narrow at 800 px: {[p.width() for p in w.panes]}")
         await self.shot("small-800x600")
         await self.act(lambda: w.resize(1500, 900))
-        await self.until("1500x900", lambda: w.width() == 1500, 20)
+        await self.until("1500x900", lambda: (w.width(), w.height()) == (1500, 900), 20, size)
+        await self.until("the monitor to come back", lambda: w.monitor_dock.isVisible(), 20)
         await self.shot("back-to-1500x900")
 
         await self.act(w.theme_actions["dark"].trigger)

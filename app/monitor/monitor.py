@@ -15,8 +15,10 @@ import numpy as np
 from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QFont, QPainter, QPalette
 from PySide6.QtWidgets import (
+    QFrame,
     QHBoxLayout,
     QLabel,
+    QScrollArea,
     QSizePolicy,
     QStackedWidget,
     QToolButton,
@@ -40,6 +42,7 @@ from app.monitor.pool_state import PoolState
 from app.monitor.timeline import TimelineWidget
 
 WAITING, CONTENT = range(2)
+MIN_SIDE = 64  # px: the panel's minimum width and height; narrower or shorter, it scrolls
 
 
 def _heading(text: str) -> QLabel:
@@ -104,6 +107,12 @@ class MonitorPanel(QWidget):
     def sizeHint(self) -> QSize:
         return QSize(404, 760)  # wide enough for the counters in two columns
 
+    def minimumSizeHint(self) -> QSize:
+        # A window's minimum size includes its docks': the sections' own ~210 x 550 px kept
+        # a window with four panes from shrinking to 800x600 (issue 11, item 4). The panel
+        # scrolls instead (self.scroll), so it can yield nearly all its room to the chats.
+        return QSize(MIN_SIDE, MIN_SIDE)
+
     # ---- construction ----------------------------------------------------------------------
 
     def _build(self) -> None:
@@ -118,7 +127,14 @@ class MonitorPanel(QWidget):
         self.pages.addWidget(self.waiting_label)
 
         content = QWidget()
-        self.pages.addWidget(content)
+        # scrolled, so the panel's minimum size can be small (see minimumSizeHint)
+        self.scroll = QScrollArea(self)
+        self.scroll.setObjectName("monitorScroll")
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setBackgroundRole(QPalette.ColorRole.Base)
+        self.scroll.setWidget(content)
+        self.pages.addWidget(self.scroll)
         v = QVBoxLayout(content)
         v.setContentsMargins(10, 8, 10, 10)
         v.setSpacing(5)
