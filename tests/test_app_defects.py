@@ -375,9 +375,11 @@ def test_the_monitor_comes_back_when_the_window_widens(window, qtbot):
     qtbot.waitUntil(lambda: window.width() == 1380 and window.monitor_dock.isVisible())
     window.resize(800, 600)
     qtbot.waitUntil(lambda: not window.monitor_dock.isVisible())
+    assert "Monitor" in window.statusBar().currentMessage()
     window.resize(1380, 860)
     qtbot.waitUntil(lambda: window.monitor_dock.isVisible())
     assert window.monitor_dock.width() <= 1380 * 0.4
+    assert window.statusBar().currentMessage() == ""  # "hidden to make room" is no longer true
 
 
 # ---- 6. the sidebar -----------------------------------------------------------------------
@@ -539,7 +541,7 @@ def test_settings_says_where_the_token_really_goes(window, qtbot):
 
     def look(dialog):
         for label in dialog.findChildren(QLabel):
-            if label.accessibleName() == "Where the token is stored":
+            if label.accessibleName() == "Where the token is kept":
                 seen["text"] = label.text()
         dialog.reject()
 

@@ -120,10 +120,26 @@ class Driver:
         QTimer.singleShot(0, check)
         return seen
 
-    def quit_soon(self) -> None:
-        """Ctrl+Q, the way a user quits, once this step has reported its success."""
+    async def activate(self) -> None:
+        """Make the window the active one, as a user's click on it does. Xvfb runs no window
+        manager, so nothing gives the focus back after a dialog closes, and a window that
+        is not active gets no window shortcuts (Ctrl+Q did nothing)."""
         w = self.window
+        await self.act(lambda: (w.raise_(), w.activateWindow()))
+        await self.until("the window to be active", lambda: QApplication.activeWindow() is w, 10)
+
+    async def quit_soon(self) -> None:
+        """Ctrl+Q, the way a user quits, once this step has reported its success; a quit
+        that does not happen within a minute fails the phase."""
+        await self.activate()
+        w = self.window
+
+        def never_quit() -> None:
+            print("STEP FAILED: Ctrl+Q did not quit within 60 s", flush=True)
+            QApplication.exit(1)
+
         QTimer.singleShot(100, lambda: QTest.keyClick(w, Qt.Key.Key_Q, CTRL))
+        QTimer.singleShot(60_000, never_quit)
 
     def pane(self, i: int) -> Any:
         return self.window.panes[i]
@@ -204,6 +220,16 @@ class Driver:
         await self.type_into(w.compare_bar.input, "Name one colour and one fruit.")
         await self.key(w.compare_bar.input, Qt.Key.Key_Return)
         await self.until("all four to answer", lambda: all(p.session.busy for p in w.panes), 30)
+
+        def all_hold_blocks() -> bool:
+            snap = w.bridge.latest_snapshot
+            sessions = snap.sessions if snap is not None else {}
+            return all(
+                p.session.id in sessions and sessions[p.session.id].blocks_held > 0
+                for p in w.panes
+            )
+
+        await self.until("the monitor to show all four chats' blocks", all_hold_blocks, 60)
         await self.shot("send-to-all-streaming")
         await self.idle(*w.panes)
         if w.width() != width:
@@ -303,7 +329,7 @@ class Driver:
             "chats": sorted(c.id for c in w.store.list_conversations()),
         }
         (self.shots / "state.json").write_text(json.dumps(state))
-        self.quit_soon()
+        await self.quit_soon()
 
     async def relaunched(self) -> None:
         w = self.window
@@ -320,7 +346,7 @@ class Driver:
         await self.send(p, "Thank you!")
         await self.idle(p)
         await self.shot("relaunched-and-answered")
-        self.quit_soon()
+        await self.quit_soon()
 
 
 def main() -> int:

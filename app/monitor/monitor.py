@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QScrollArea,
     QSizePolicy,
     QStackedWidget,
+    QStyle,
     QToolButton,
     QVBoxLayout,
     QWidget,
@@ -105,7 +106,10 @@ class MonitorPanel(QWidget):
             self.show_snapshot(bridge.latest_snapshot)
 
     def sizeHint(self) -> QSize:
-        return QSize(404, 760)  # wide enough for the counters in two columns
+        # wide enough for the counters in two columns even beside a vertical scroll bar: a
+        # bar that squeezed them into one column made them taller, which kept the bar
+        bar = self.style().pixelMetric(QStyle.PixelMetric.PM_ScrollBarExtent, None, self)
+        return QSize(404 + bar, 760)
 
     def minimumSizeHint(self) -> QSize:
         # A window's minimum size includes its docks': the sections' own ~210 x 550 px kept
