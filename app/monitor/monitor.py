@@ -83,6 +83,24 @@ def _small(label: QLabel, scale: float = 0.9) -> QLabel:
     return label
 
 
+class _Sections(QWidget):
+    """The panel's sections, inside its scroll area. QScrollArea sizes a widget whose layout
+    has a height-for-width part (the map key wraps) to that layout's *preferred* height, so
+    at 860 px the monitor scrolled by what the block map could have given up; this asks for
+    the minimum height at the width instead (the block map then takes what is left)."""
+
+    key: QWidget | None = None
+
+    def heightForWidth(self, width: int) -> int:
+        layout = self.layout()
+        height = layout.minimumSize().height()
+        if self.key is not None:
+            m = layout.contentsMargins()
+            wrapped = self.key.heightForWidth(width - m.left() - m.right())
+            height += max(0, wrapped - max(0, self.key.minimumSizeHint().height()))
+        return height
+
+
 class MonitorPanel(QWidget):
     def __init__(
         self, bridge: Any, chats: Chats | None = None, parent: QWidget | None = None
@@ -130,7 +148,7 @@ class MonitorPanel(QWidget):
         self.waiting_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         self.pages.addWidget(self.waiting_label)
 
-        content = QWidget()
+        content = _Sections()
         # scrolled, so the panel's minimum size can be small (see minimumSizeHint)
         self.scroll = QScrollArea(self)
         self.scroll.setObjectName("monitorScroll")
@@ -172,6 +190,7 @@ class MonitorPanel(QWidget):
         self.map_area.setBackgroundRole(QPalette.ColorRole.Base)
         v.addWidget(self.map_area, 1)
         self.key = MapKey()
+        content.key = self.key
         v.addWidget(self.key)
 
         v.addSpacing(6)
