@@ -262,7 +262,11 @@ def test_bad_input_shows_a_message_and_loses_nothing(harness, qtbot):
     user, reply = pane.session.active_path()
     assert user.content == huge and harness.store.get_message(user.id).content == huge
     assert reply.status == Status.ERROR and "context limit" in reply.meta["error"]
-    assert pane.notice_label.isVisible() and "context limit" in pane.notice_label.text()
+    # shown once (issue 11: it was also a notice), in the reply, as a capitalised sentence
+    shown = pane.model.entry(pane.model.rowCount() - 1).doc.toPlainText()
+    error_line = shown.strip().splitlines()[-1]
+    assert "context limit" in error_line and error_line[0].isupper(), shown
+    assert not (pane.notice_label.isVisible() and "context limit" in pane.notice_label.text())
     # the chat still works afterwards (edit the long message into a short one)
     click_action(qtbot, pane, user.id, "edit")
     assert pane.edit_banner.isVisible() and pane.input.toPlainText() == huge

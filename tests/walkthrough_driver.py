@@ -19,9 +19,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import QPoint, Qt, QTimer
 from PySide6.QtTest import QTest
-from PySide6.QtWidgets import QAbstractButton, QApplication, QMessageBox
+from PySide6.QtWidgets import QAbstractButton, QApplication, QMessageBox, QToolTip
 
 STEP_TIMEOUT_S = 420.0
 LONG_PROMPT = "Write a long story about a dragon who learns to read, with many chapters."
@@ -280,6 +280,7 @@ class Driver:
         if user.content != "Write two sentences about a dragon.":
             raise StepFailed(f"the edited message reads {user.content!r}")
         await self.shot("edited")
+        await self.hover_readouts(p1)
 
         before = {p.session.id for p in w.panes}
         await self.act(w.act_branch.trigger)  # Chat ▸ Branch From Last Message
@@ -330,6 +331,50 @@ class Driver:
         }
         (self.shots / "state.json").write_text(json.dumps(state))
         await self.quit_soon()
+
+    async def hover_readouts(self, pane: Any) -> None:
+        """Item 7 on a real X server: a message action's tooltip stays while the pointer
+        stays on the button (it vanished within 1.4 s), and the 60 s timeline reads out the
+        sample under the pointer."""
+        from app.chat.delegate import ACTION_TIPS
+
+        view, vp = pane.view, pane.view.viewport()
+        await self.act(view.scrollToBottom)
+        await self.settle()
+        copy = view.row_geometry(view.model().rowCount() - 1).actions.get("copy")
+        if copy is None:
+            raise StepFailed("no copy action on the reply")
+        tip = ACTION_TIPS["copy"]
+
+        def showing() -> bool:
+            return QToolTip.isVisible() and QToolTip.text() == tip
+
+        await self.act(lambda: QTest.mouseMove(vp, copy.center()))
+        await self.until("the copy button's tooltip", showing, 10)
+        gone = []
+        for i in range(25):  # 2.5 s of small moves on the button, as a resting hand makes
+            await self.act(lambda i=i: QTest.mouseMove(vp, copy.center() + QPoint(i % 3 - 1, 0)))
+            await asyncio.sleep(0.1)  # pacing the moves, not waiting for a state
+            if not showing():
+                gone.append(i)
+        if gone:
+            raise StepFailed(f"the tooltip vanished while hovered (after moves {gone})")
+        await self.shot("tooltip-while-hovered")
+
+        panel = self.window.monitor_dock.widget()
+        tl = panel.timeline
+        await self.act(lambda: panel.scroll.ensureWidgetVisible(tl))
+        await self.act(lambda: QTest.mouseMove(tl, QPoint(tl.width() * 3 // 4, tl.height() // 2)))
+        await self.until(
+            "the timeline's readout", lambda: tl.hover_text and QToolTip.isVisible(), 10
+        )
+        text = tl.hover_text
+        if not ("blocks used" in text and "tok/s" in text and ("s ago" in text or "now" in text)):
+            raise StepFailed(f"the timeline's readout reads {text!r}")
+        if QToolTip.text() != text:
+            raise StepFailed(f"the tooltip {QToolTip.text()!r} is not the readout {text!r}")
+        await self.shot("timeline-readout")
+        await self.act(lambda: QTest.mouseMove(vp, QPoint(5, 5)))
 
     async def relaunched(self) -> None:
         w = self.window
