@@ -671,3 +671,68 @@ def test_the_monitor_dock_can_be_closed_in_both_themes(window, qtbot):
         assert len(colours) > 2, theme
     qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
     assert not window.monitor_dock.isVisible()
+
+
+def _lab(rgb):
+    """CIE L*a*b* (D65) of an sRGB colour, for perceptual distances (ΔE)."""
+    import numpy as np
+
+    c = np.asarray(rgb, dtype=float) / 255
+    c = np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
+    m = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]])
+    xyz = m @ c / np.array([0.95047, 1.0, 1.08883])
+    f = np.where(xyz > (6 / 29) ** 3, np.cbrt(xyz), xyz / (3 * (6 / 29) ** 2) + 4 / 29)
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+
+CACHED_VS_FREE_MIN_DE = 20  # CIE76 ΔE (2.3 is just noticeable): "clearly distinct"
+
+
+def _cached_vs_free(window, qtbot, theme):
+    """{chat colour: ΔE between its cached cell (mean colour, hatch included) and a free
+    cell}, read from the real block map's pixels in `theme`."""
+    import numpy as np
+
+    from app import colors
+    from tests.test_monitor_units import snapshot, stats
+
+    window.set_theme(theme)
+    m = window.monitor_dock.widget().block_map
+    m.clock = lambda: 1000.0
+    n = len(colors.PALETTE)
+    sids = [f"cached-colour-{i}" for i in range(n)]
+    for i, sid in enumerate(sids):
+        colors.register(sid, i)
+    free = ((), 0, 0, False)
+    held = [((sid,), 1, 16, True) for sid in sids]
+    window.bridge.snapshotUpdated.emit(
+        snapshot(held + [free] * 40, {sid: stats(sid, held=1) for sid in sids})
+    )
+    window.bridge.snapshotUpdated.emit(snapshot([((), 0, 16, True)] * n + [free] * 40))
+    qtbot.waitUntil(lambda: all(m.cell_state(b).category == "cached" for b in range(n)))
+    m.clock = lambda: 2000.0  # long after: no allocation/free flashes
+    m.update()
+    image = m.grab().toImage()
+
+    def mean_lab(block):
+        r = m.cell_rect(block).adjusted(1, 1, -1, -1)
+        px = [image.pixelColor(x, y) for x in range(r.left(), r.right() + 1)
+              for y in range(r.top(), r.bottom() + 1)]
+        return _lab(np.mean([(c.red(), c.green(), c.blue()) for c in px], axis=0))
+
+    free_lab = mean_lab(n + 5)
+    return {
+        colors.PALETTE[i]: float(np.linalg.norm(mean_lab(i) - free_lab)) for i in range(n)
+    }
+
+
+def test_cached_blocks_stand_out_from_free_ones_in_the_dark_theme(window, qtbot):
+    """Item 11: in the dark theme cached cells were barely distinguishable from free ones.
+    Through the real block map, for every chat colour: a cached cell is at least
+    CACHED_VS_FREE_MIN_DE from a free one in the dark theme, and no less distinct there than
+    in the light theme (the one read well)."""
+    light = _cached_vs_free(window, qtbot, "light")
+    dark = _cached_vs_free(window, qtbot, "dark")
+    weak = {c: (round(dark[c], 1), round(light[c], 1)) for c in dark
+            if dark[c] < max(CACHED_VS_FREE_MIN_DE, light[c])}
+    assert not weak, f"dark vs light ΔE, cached vs free: {weak}"
