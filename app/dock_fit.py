@@ -39,10 +39,12 @@ class DockFitter(QObject):
         return False
 
     def _visibility_changed(self, visible: bool) -> None:
+        if not visible:
+            return  # (also what a dock says while its window is being destroyed)
         bar = self.window.statusBar()
-        if visible and bar.currentMessage() == HINT:
+        if bar.currentMessage() == HINT:
             bar.clearMessage()  # the hint no longer holds
-        if visible and not self._fitting:
+        if not self._fitting:
             self.auto_hidden = False  # the user showed it: it stays, at any size
             if self._pending == "hide":
                 self._pending = None
