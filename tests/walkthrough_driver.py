@@ -364,7 +364,7 @@ class Driver:
         panel = self.window.monitor_dock.widget()
         tl = panel.timeline
         await self.act(lambda: panel.scroll.ensureWidgetVisible(tl))
-        await self.act(lambda: QTest.mouseMove(tl, QPoint(tl.width() * 3 // 4, tl.height() // 2)))
+        await self.act(lambda: QTest.mouseMove(tl, QPoint(tl.width() // 3, tl.height() // 2)))
         await self.until(
             "the timeline's readout", lambda: tl.hover_text and QToolTip.isVisible(), 10
         )
