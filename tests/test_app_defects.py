@@ -697,7 +697,13 @@ def _cached_vs_free(window, qtbot, theme):
     from tests.test_monitor_units import snapshot, stats
 
     window.set_theme(theme)
-    m = window.monitor_dock.widget().block_map
+    panel = window.monitor_dock.widget()
+    m = panel.block_map
+    # the pointer onto a pane and off it again: a hovered pane highlights its chat and
+    # fades the rest (a window shown under the pointer counts as hovered)
+    qtbot.mouseMove(window.focused_pane)
+    qtbot.mouseMove(window.sidebar, QPoint(5, 5))
+    qtbot.waitUntil(lambda: panel.highlighted is None)
     m.clock = lambda: 1000.0
     n = len(colors.PALETTE)
     sids = [f"cached-colour-{i}" for i in range(n)]
