@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QPoint, Qt, QTimer
+from PySide6.QtGui import QCursor
 from PySide6.QtTest import QTest
 from PySide6.QtWidgets import QAbstractButton, QApplication, QMessageBox, QToolTip
 
@@ -349,11 +350,16 @@ class Driver:
         def showing() -> bool:
             return QToolTip.isVisible() and QToolTip.text() == tip
 
-        await self.act(lambda: QTest.mouseMove(vp, copy.center()))
+        # the real X pointer (a warp makes the X server send motion and enter/leave events,
+        # tooltip windows included, as a mouse does), not events posted into Qt
+        def point_at(p: QPoint) -> None:
+            QCursor.setPos(vp.mapToGlobal(p))
+
+        await self.act(lambda: point_at(copy.center()))
         await self.until("the copy button's tooltip", showing, 10)
         gone = []
         for i in range(25):  # 2.5 s of small moves on the button, as a resting hand makes
-            await self.act(lambda i=i: QTest.mouseMove(vp, copy.center() + QPoint(i % 3 - 1, 0)))
+            await self.act(lambda i=i: point_at(copy.center() + QPoint(i % 3 - 1, 0)))
             await asyncio.sleep(0.1)  # pacing the moves, not waiting for a state
             if not showing():
                 gone.append(i)
@@ -364,7 +370,7 @@ class Driver:
         panel = self.window.monitor_dock.widget()
         tl = panel.timeline
         await self.act(lambda: panel.scroll.ensureWidgetVisible(tl))
-        await self.act(lambda: QTest.mouseMove(tl, QPoint(tl.width() // 3, tl.height() // 2)))
+        await self.act(lambda: QCursor.setPos(tl.mapToGlobal(QPoint(tl.width() // 3, 60))))
         await self.until(
             "the timeline's readout", lambda: tl.hover_text and QToolTip.isVisible(), 10
         )
@@ -374,7 +380,7 @@ class Driver:
         if QToolTip.text() != text:
             raise StepFailed(f"the tooltip {QToolTip.text()!r} is not the readout {text!r}")
         await self.shot("timeline-readout")
-        await self.act(lambda: QTest.mouseMove(vp, QPoint(5, 5)))
+        await self.act(lambda: point_at(QPoint(5, 5)))
 
     async def relaunched(self) -> None:
         w = self.window
