@@ -73,8 +73,32 @@ class Driver:
         await asyncio.sleep(0.05)
         return result
 
+    def overlapping_rows(self) -> list[str]:
+        """Rows whose painted parts leave their rectangle or run into the next row (item 3)."""
+        bad = []
+        for i, pane in enumerate(self.window.panes):
+            view = pane.view
+            model = view.model()
+            if model is None:
+                continue
+            rects = [view.visualRect(model.index(r, 0)) for r in range(model.rowCount())]
+            for r, rect in enumerate(rects):
+                geo = view.row_geometry(r)
+                parts = [geo.body, *geo.actions.values()]
+                parts += [x for x in (geo.bubble, geo.counter) if x is not None and not x.isNull()]
+                bottom = max(x.bottom() for x in parts)
+                if bottom > rect.bottom():
+                    bad.append(f"pane {i + 1} row {r}: painted to {bottom}, ends {rect.bottom()}")
+            for r, (a, b) in enumerate(zip(rects, rects[1:])):
+                if a.bottom() >= b.top():
+                    bad.append(f"pane {i + 1} rows {r}/{r + 1} intersect")
+        return bad
+
     async def shot(self, name: str) -> None:
         await self.settle()
+        bad = self.overlapping_rows()
+        if bad:
+            raise StepFailed(f"before the {name} screenshot, message rows overlap: {bad}")
         self.n += 1
         path = self.shots / f"{self.n:02d}-{name}.png"
         screen = QApplication.primaryScreen()
