@@ -404,10 +404,11 @@ class Driver:
         if QToolTip.text() != text:
             raise StepFailed(f"the tooltip {QToolTip.text()!r} is not the readout {text!r}")
         await self.shot("timeline-readout")
-        # park the pointer on the status bar: over a pane it would highlight that chat in the
-        # block map (fading the others) in every later screenshot
-        bar = self.window.statusBar()
-        await self.act(lambda: QCursor.setPos(bar.mapToGlobal(bar.rect().center())))
+        # park the pointer off the window (the screen's corner; the window is never that
+        # large): over a pane it would highlight that chat in the block map, fading the
+        # others, in every later screenshot
+        corner = self.window.screen().geometry().bottomRight() - QPoint(2, 2)
+        await self.act(lambda: QCursor.setPos(corner))
 
     async def relaunched(self) -> None:
         w = self.window
