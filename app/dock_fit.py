@@ -12,6 +12,7 @@ from __future__ import annotations
 from PySide6.QtCore import QEvent, QObject, Qt, QTimer
 from PySide6.QtWidgets import QDockWidget, QMainWindow
 
+HINT = "The KV monitor is hidden to make room: Monitor (Ctrl+Shift+M) shows it."
 HIDE_BELOW = 1000  # window width (px) under which the monitor steps aside
 MAX_SHARE = 0.34  # of the window's width, for a docked (right-hand) monitor
 
@@ -38,7 +39,12 @@ class DockFitter(QObject):
         return False
 
     def _visibility_changed(self, visible: bool) -> None:
-        if visible and not self._fitting:
+        if not visible:
+            return  # (also what a dock says while its window is being destroyed)
+        bar = self.window.statusBar()
+        if bar.currentMessage() == HINT:
+            bar.clearMessage()  # the hint no longer holds
+        if not self._fitting:
             self.auto_hidden = False  # the user showed it: it stays, at any size
             if self._pending == "hide":
                 self._pending = None
@@ -51,10 +57,7 @@ class DockFitter(QObject):
             if pending == "hide" and not self.dock.isFloating() and self.dock.isVisible():
                 self.dock.hide()
                 self.auto_hidden = True
-                self.window.statusBar().showMessage(
-                    "The KV monitor is hidden to make room: Monitor (Ctrl+Shift+M) shows it.",
-                    8000,
-                )
+                self.window.statusBar().showMessage(HINT, 8000)
             elif pending == "show" and self.auto_hidden:
                 self.auto_hidden = False
                 self.dock.show()

@@ -85,9 +85,13 @@ class PaneDeck(QObject):
         return sent
 
     def close(self, pane: ChatPane) -> None:
-        """Close a pane (never the last one); the pane at its place, else the last, gets focus."""
+        """Close a pane (never the last one); the pane at its place, else the last, gets focus.
+        A reply streaming in it stops, tagged "Stopped" like any stop: closing the only view
+        of a chat must not leave it generating unseen (issue 11)."""
         if pane not in self.panes or len(self.panes) <= 1:
             return
+        if pane.session is not None and pane.session.busy:
+            pane.session.stop()
         i = self.panes.index(pane)
         self.panes.remove(pane)
         pane.removeEventFilter(self)

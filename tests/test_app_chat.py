@@ -262,9 +262,9 @@ def test_bad_input_shows_a_message_and_loses_nothing(harness, qtbot):
     user, reply = pane.session.active_path()
     assert user.content == huge and harness.store.get_message(user.id).content == huge
     assert reply.status == Status.ERROR and "context limit" in reply.meta["error"]
-    # shown once, in the reply, as a sentence; not repeated in the pane's notice
+    # shown once (issue 11: it was also a notice), in the reply, as a capitalised sentence
     shown = pane.model.entry(pane.model.row_of(reply.id)).doc.toPlainText()
-    assert shown.count("context limit") == 1 and "The prompt is" in shown
+    assert shown.count("context limit") == 1 and "The prompt is" in shown, shown
     assert not (pane.notice_label.isVisible() and "context limit" in pane.notice_label.text())
     # the chat still works afterwards (edit the long message into a short one)
     click_action(qtbot, pane, user.id, "edit")

@@ -350,14 +350,36 @@ def test_an_800x600_window_keeps_the_chat_usable(window, qtbot):
     assert window.monitor_dock.isVisible()
 
 
+def test_four_panes_and_the_monitor_shrink_to_800x600_in_one_resize(window, qtbot):
+    """A window's minimum size includes its dock's: the unscrolled monitor (~210 x 550 px)
+    held a window with four panes at 897 x 637, so a resize to 800x600 never got there and
+    the monitor (hidden only below 1000 px) stayed."""
+    window.resize(1500, 900)
+    qtbot.waitUntil(lambda: window.width() == 1500 and window.monitor_dock.isVisible())
+    _open_four_panes(qtbot, window)
+    window.resize(800, 600)
+    qtbot.waitUntil(lambda: (window.width(), window.height()) == (800, 600))
+    qtbot.waitUntil(lambda: not window.monitor_dock.isVisible())
+    qtbot.waitUntil(lambda: all(p.isVisible() and p.width() >= 140 for p in window.panes))
+    # shown again by the user at this size, the monitor takes what the panes leave (it
+    # scrolls) and neither widens the window nor squeezes the panes
+    window.act_monitor.trigger()
+    qtbot.waitUntil(lambda: window.monitor_dock.isVisible())
+    QApplication.processEvents()
+    assert (window.width(), window.height()) == (800, 600)
+    assert all(p.width() >= 140 for p in window.panes), [p.width() for p in window.panes]
+
+
 def test_the_monitor_comes_back_when_the_window_widens(window, qtbot):
     window.resize(1380, 860)
     qtbot.waitUntil(lambda: window.width() == 1380 and window.monitor_dock.isVisible())
     window.resize(800, 600)
     qtbot.waitUntil(lambda: not window.monitor_dock.isVisible())
+    assert "Monitor" in window.statusBar().currentMessage()
     window.resize(1380, 860)
     qtbot.waitUntil(lambda: window.monitor_dock.isVisible())
     assert window.monitor_dock.width() <= 1380 * 0.4
+    assert window.statusBar().currentMessage() == ""  # "hidden to make room" is no longer true
 
 
 # ---- 6. the sidebar -----------------------------------------------------------------------
@@ -653,3 +675,74 @@ def test_the_monitor_dock_can_be_closed_in_both_themes(window, qtbot):
         assert len(colours) > 2, theme
     qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
     assert not window.monitor_dock.isVisible()
+
+
+def _lab(rgb):
+    """CIE L*a*b* (D65) of an sRGB colour, for perceptual distances (ΔE)."""
+    import numpy as np
+
+    c = np.asarray(rgb, dtype=float) / 255
+    c = np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
+    m = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]])
+    xyz = m @ c / np.array([0.95047, 1.0, 1.08883])
+    f = np.where(xyz > (6 / 29) ** 3, np.cbrt(xyz), xyz / (3 * (6 / 29) ** 2) + 4 / 29)
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+
+CACHED_VS_FREE_MIN_DE = 20  # CIE76 ΔE (2.3 is just noticeable): "clearly distinct"
+
+
+def _cached_vs_free(window, qtbot, theme):
+    """{chat colour: ΔE between its cached cell (mean colour, hatch included) and a free
+    cell}, read from the real block map's pixels in `theme`."""
+    import numpy as np
+
+    from app import colors
+    from tests.test_monitor_units import snapshot, stats
+
+    window.set_theme(theme)
+    panel = window.monitor_dock.widget()
+    m = panel.block_map
+    # the pointer onto a pane and off it again: a hovered pane highlights its chat and
+    # fades the rest (a window shown under the pointer counts as hovered)
+    qtbot.mouseMove(window.focused_pane)
+    qtbot.mouseMove(window.sidebar, QPoint(5, 5))
+    qtbot.waitUntil(lambda: panel.highlighted is None)
+    m.clock = lambda: 1000.0
+    n = len(colors.PALETTE)
+    sids = [f"cached-colour-{i}" for i in range(n)]
+    for i, sid in enumerate(sids):
+        colors.register(sid, i)
+    free = ((), 0, 0, False)
+    held = [((sid,), 1, 16, True) for sid in sids]
+    window.bridge.snapshotUpdated.emit(
+        snapshot(held + [free] * 40, {sid: stats(sid, held=1) for sid in sids})
+    )
+    window.bridge.snapshotUpdated.emit(snapshot([((), 0, 16, True)] * n + [free] * 40))
+    qtbot.waitUntil(lambda: all(m.cell_state(b).category == "cached" for b in range(n)))
+    m.clock = lambda: 2000.0  # long after: no allocation/free flashes
+    m.update()
+    image = m.grab().toImage()
+
+    def mean_lab(block):
+        r = m.cell_rect(block).adjusted(1, 1, -1, -1)
+        px = [image.pixelColor(x, y) for x in range(r.left(), r.right() + 1)
+              for y in range(r.top(), r.bottom() + 1)]
+        return _lab(np.mean([(c.red(), c.green(), c.blue()) for c in px], axis=0))
+
+    free_lab = mean_lab(n + 5)
+    return {
+        colors.PALETTE[i]: float(np.linalg.norm(mean_lab(i) - free_lab)) for i in range(n)
+    }
+
+
+def test_cached_blocks_stand_out_from_free_ones_in_the_dark_theme(window, qtbot):
+    """Item 11: in the dark theme cached cells were barely distinguishable from free ones.
+    Through the real block map, for every chat colour: a cached cell is at least
+    CACHED_VS_FREE_MIN_DE from a free one in the dark theme, and no less distinct there than
+    in the light theme (the one read well)."""
+    light = _cached_vs_free(window, qtbot, "light")
+    dark = _cached_vs_free(window, qtbot, "dark")
+    weak = {c: (round(dark[c], 1), round(light[c], 1)) for c in dark
+            if dark[c] < max(CACHED_VS_FREE_MIN_DE, light[c])}
+    assert not weak, f"dark vs light ΔE, cached vs free: {weak}"

@@ -196,3 +196,71 @@ def test_new_chats_sample_without_looping(harness, qtbot):
         assert r.status in (Status.COMPLETE, Status.LENGTH), (r.status, r.meta.get("error"))
         assert r.meta["usage"]["generated_tokens"] <= s.max_tokens
         assert _worst_repeat(r.content) <= LOOP, (_worst_repeat(r.content), r.content[-300:])
+
+
+def test_the_footer_and_the_monitor_show_one_speed(harness, qtbot):
+    """Item 11: the footer said 1.0 tok/s while the monitor said 4.0 for the same chat at
+    the same moment. On every snapshot, after the pane and the monitor have shown it, the
+    footer's speed is the monitor's chat-table speed for that chat; idle, both show none."""
+    from app.monitor.legend import RATE
+
+    w = harness.window
+    pane = w.focused_pane
+    pane.session.set_settings(greedy(48))
+    panel = w.monitor_dock.widget()
+    sid = pane.session.id
+    seen: list[tuple[str, str]] = []
+
+    def compare(_snap):  # connected after the pane's and the panel's own slots
+        row = panel.legend_model.row_of(sid)
+        if row is None or row < 0:
+            return
+        table = panel.legend_model.index(row, RATE).data()
+        footer = pane.footer.text().split(" tok/s")[0]
+        seen.append((footer, table))
+
+    harness.bridge.snapshotUpdated.connect(compare)
+    try:
+        _type_and_send(qtbot, pane, LONG_PROMPT)
+        wait_idle(qtbot, pane)
+        qtbot.waitUntil(lambda: seen and seen[-1][1] == "–", timeout=WAIT_MS)
+    finally:
+        harness.bridge.snapshotUpdated.disconnect(compare)
+    assert [s for s in seen if s[0] != s[1]] == [], seen
+    live = [f for f, _t in seen if f != "–"]
+    assert len(live) >= 3 and len(set(live)) >= 2, seen  # it really was measured, and moved
+    assert pane.footer.text().startswith("– tok/s")
+    # the finished reply keeps its own average, in its header
+    assert last_reply(pane).meta["usage"]["decode_tokens_per_s"] > 0
+
+
+def test_a_pane_closed_while_streaming_leaves_its_reply_stopped(harness, qtbot):
+    """Item 11: a pane closed while its reply streamed left the reply without the "Stopped"
+    tag. Closing it (its × button) stops the reply like Esc; shown again, it says so."""
+    from app.chat.message_model import MessageRole, status_text
+    from tests.test_app_defects import _click_sidebar_row
+
+    w = harness.window
+    qtbot.keyClick(
+        w, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier
+    )
+    pane = w.focused_pane
+    session = pane.session
+    session.set_settings(greedy(300))
+    _type_and_send(qtbot, pane, LONG_PROMPT)
+    qtbot.waitUntil(lambda: len(last_reply(pane).content) > 10, timeout=WAIT_MS)
+    reply_id = last_reply(pane).id
+    qtbot.mouseClick(pane.close_button, Qt.MouseButton.LeftButton)
+    assert w.pane_for(session.id) is None
+    qtbot.waitUntil(lambda: not session.busy, timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: not harness.bridge.active_requests(session.id), timeout=WAIT_MS)
+    reply = session.tree.get(reply_id)
+    assert reply.status == Status.STOPPED and reply.content
+    assert harness.store.get_message(reply_id).status == Status.STOPPED
+    assert reply.meta.get("usage", {}).get("generated_tokens", 0) < 300  # it did not run on
+    # shown again from the sidebar, the reply carries its tag
+    _click_sidebar_row(qtbot, w.sidebar, session.id)
+    qtbot.waitUntil(lambda: w.pane_for(session.id) is not None)
+    shown = w.pane_for(session.id)
+    row = shown.model.rowCount() - 1
+    assert status_text(shown.model.index(row).data(MessageRole)) == "Stopped"

@@ -253,3 +253,34 @@ def test_the_core_runs_without_qt():
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
+
+
+def test_new_chat_defaults_come_from_the_models_generation_config(tmp_path):
+    """Item 8 (issue 11): a model folder's generation_config.json sets new chats' sampling;
+    values the engine would refuse, or no file at all, leave PagedChat's own defaults."""
+    import json
+
+    from app.core.generation_defaults import FALLBACK, FROM_APP, FROM_MODEL, model_defaults
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    assert model_defaults(folder) == (FALLBACK, FROM_APP)  # no file
+    assert model_defaults(None) == (FALLBACK, FROM_APP)
+    (folder / "generation_config.json").write_text(json.dumps({
+        "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1,
+        "max_new_tokens": 256, "bos_token_id": 1, "eos_token_id": 2,
+    }))
+    params, source = model_defaults(folder)
+    assert source == FROM_MODEL
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.95, 20)
+    assert (params.repetition_penalty, params.max_tokens) == (1.1, 256)
+    # greedy when the model says so; a value out of range keeps ours
+    (folder / "generation_config.json").write_text(
+        json.dumps({"do_sample": False, "top_p": 7, "temperature": "hot"})
+    )
+    params, source = model_defaults(folder)
+    assert source == FROM_MODEL and params.temperature == 0.0
+    assert params.top_p == FALLBACK.top_p
+    # a broken file is no model setting
+    (folder / "generation_config.json").write_text("{not json")
+    assert model_defaults(folder) == (FALLBACK, FROM_APP)

@@ -99,6 +99,8 @@ def test_a_first_session_walk_through(display, tmp_path):
         "stopped",
         "regenerated",
         "edited",
+        "tooltip-while-hovered",
+        "timeline-readout",
         "branched",
         "deleted-streaming-chat",
         "small-800x600",

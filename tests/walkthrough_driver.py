@@ -19,9 +19,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import QPoint, Qt, QTimer
+from PySide6.QtGui import QCursor
 from PySide6.QtTest import QTest
-from PySide6.QtWidgets import QAbstractButton, QApplication, QMessageBox
+from PySide6.QtWidgets import QAbstractButton, QApplication, QMessageBox, QToolTip
 
 STEP_TIMEOUT_S = 420.0
 LONG_PROMPT = "Write a long story about a dragon who learns to read, with many chapters."
@@ -41,12 +42,16 @@ class Driver:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    async def until(self, what: str, cond: Any, timeout: float = STEP_TIMEOUT_S) -> None:
-        """Wait (the event loop keeps running) until cond() is true."""
+    async def until(
+        self, what: str, cond: Any, timeout: float = STEP_TIMEOUT_S, seen: Any = None
+    ) -> None:
+        """Wait (the event loop keeps running) until cond() is true; `seen()` says what there
+        was instead when it never is."""
         end = time.monotonic() + timeout
         while not cond():
             if time.monotonic() > end:
-                raise StepFailed(f"timed out waiting for {what}")
+                extra = f" (got {seen()})" if seen is not None else ""
+                raise StepFailed(f"timed out waiting for {what}{extra}")
             await asyncio.sleep(0.05)
 
     async def settle(self) -> None:
@@ -68,8 +73,32 @@ class Driver:
         await asyncio.sleep(0.05)
         return result
 
+    def overlapping_rows(self) -> list[str]:
+        """Rows whose painted parts leave their rectangle or run into the next row (item 3)."""
+        bad = []
+        for i, pane in enumerate(self.window.panes):
+            view = pane.view
+            model = view.model()
+            if model is None:
+                continue
+            rects = [view.visualRect(model.index(r, 0)) for r in range(model.rowCount())]
+            for r, rect in enumerate(rects):
+                geo = view.row_geometry(r)
+                parts = [geo.body, *geo.actions.values()]
+                parts += [x for x in (geo.bubble, geo.counter) if x is not None and not x.isNull()]
+                bottom = max(x.bottom() for x in parts)
+                if bottom > rect.bottom():
+                    bad.append(f"pane {i + 1} row {r}: painted to {bottom}, ends {rect.bottom()}")
+            for r, (a, b) in enumerate(zip(rects, rects[1:])):
+                if a.bottom() >= b.top():
+                    bad.append(f"pane {i + 1} rows {r}/{r + 1} intersect")
+        return bad
+
     async def shot(self, name: str) -> None:
         await self.settle()
+        bad = self.overlapping_rows()
+        if bad:
+            raise StepFailed(f"before the {name} screenshot, message rows overlap: {bad}")
         self.n += 1
         path = self.shots / f"{self.n:02d}-{name}.png"
         screen = QApplication.primaryScreen()
@@ -116,10 +145,26 @@ class Driver:
         QTimer.singleShot(0, check)
         return seen
 
-    def quit_soon(self) -> None:
-        """Ctrl+Q, the way a user quits, once this step has reported its success."""
+    async def activate(self) -> None:
+        """Make the window the active one, as a user's click on it does. Xvfb runs no window
+        manager, so nothing gives the focus back after a dialog closes, and a window that
+        is not active gets no window shortcuts (Ctrl+Q did nothing)."""
         w = self.window
+        await self.act(lambda: (w.raise_(), w.activateWindow()))
+        await self.until("the window to be active", lambda: QApplication.activeWindow() is w, 10)
+
+    async def quit_soon(self) -> None:
+        """Ctrl+Q, the way a user quits, once this step has reported its success; a quit
+        that does not happen within a minute fails the phase."""
+        await self.activate()
+        w = self.window
+
+        def never_quit() -> None:
+            print("STEP FAILED: Ctrl+Q did not quit within 60 s", flush=True)
+            QApplication.exit(1)
+
         QTimer.singleShot(100, lambda: QTest.keyClick(w, Qt.Key.Key_Q, CTRL))
+        QTimer.singleShot(60_000, never_quit)
 
     def pane(self, i: int) -> Any:
         return self.window.panes[i]
@@ -200,6 +245,16 @@ class Driver:
         await self.type_into(w.compare_bar.input, "Name one colour and one fruit.")
         await self.key(w.compare_bar.input, Qt.Key.Key_Return)
         await self.until("all four to answer", lambda: all(p.session.busy for p in w.panes), 30)
+
+        def all_hold_blocks() -> bool:
+            snap = w.bridge.latest_snapshot
+            sessions = snap.sessions if snap is not None else {}
+            return all(
+                p.session.id in sessions and sessions[p.session.id].blocks_held > 0
+                for p in w.panes
+            )
+
+        await self.until("the monitor to show all four chats' blocks", all_hold_blocks, 60)
         await self.shot("send-to-all-streaming")
         await self.idle(*w.panes)
         if w.width() != width:
@@ -250,6 +305,7 @@ class Driver:
         if user.content != "Write two sentences about a dragon.":
             raise StepFailed(f"the edited message reads {user.content!r}")
         await self.shot("edited")
+        await self.hover_readouts(p1)
 
         before = {p.session.id for p in w.panes}
         await self.act(w.act_branch.trigger)  # Chat ▸ Branch From Last Message
@@ -274,14 +330,19 @@ class Driver:
             raise StepFailed("the deleted chat is still there")
         await self.shot("deleted-streaming-chat")
 
+        def size() -> str:
+            return f"{w.width()}x{w.height()}, minimum {w.minimumSizeHint().toTuple()}"
+
         await self.act(lambda: w.resize(800, 600))
-        await self.until("800x600", lambda: w.width() == 800, 20)
+        await self.until("800x600", lambda: (w.width(), w.height()) == (800, 600), 20, size)
+        await self.until("the monitor to step aside", lambda: not w.monitor_dock.isVisible(), 20)
         await self.settle()
-        if any(p.width() < 100 for p in w.panes):
+        if any(p.width() < 140 for p in w.panes):
             raise StepFailed(f"panes too narrow at 800 px: {[p.width() for p in w.panes]}")
         await self.shot("small-800x600")
         await self.act(lambda: w.resize(1500, 900))
-        await self.until("1500x900", lambda: w.width() == 1500, 20)
+        await self.until("1500x900", lambda: (w.width(), w.height()) == (1500, 900), 20, size)
+        await self.until("the monitor to come back", lambda: w.monitor_dock.isVisible(), 20)
         await self.shot("back-to-1500x900")
 
         await self.act(w.theme_actions["dark"].trigger)
@@ -294,7 +355,60 @@ class Driver:
             "chats": sorted(c.id for c in w.store.list_conversations()),
         }
         (self.shots / "state.json").write_text(json.dumps(state))
-        self.quit_soon()
+        await self.quit_soon()
+
+    async def hover_readouts(self, pane: Any) -> None:
+        """Item 7 on a real X server: a message action's tooltip stays while the pointer
+        stays on the button (it vanished within 1.4 s), and the 60 s timeline reads out the
+        sample under the pointer."""
+        from app.chat.delegate import ACTION_TIPS
+
+        view, vp = pane.view, pane.view.viewport()
+        await self.act(view.scrollToBottom)
+        await self.settle()
+        copy = view.row_geometry(view.model().rowCount() - 1).actions.get("copy")
+        if copy is None:
+            raise StepFailed("no copy action on the reply")
+        tip = ACTION_TIPS["copy"]
+
+        def showing() -> bool:
+            return QToolTip.isVisible() and QToolTip.text() == tip
+
+        # the real X pointer (a warp makes the X server send motion and enter/leave events,
+        # tooltip windows included, as a mouse does), not events posted into Qt
+        def point_at(p: QPoint) -> None:
+            QCursor.setPos(vp.mapToGlobal(p))
+
+        await self.act(lambda: point_at(copy.center()))
+        await self.until("the copy button's tooltip", showing, 10)
+        gone = []
+        for i in range(25):  # 2.5 s of small moves on the button, as a resting hand makes
+            await self.act(lambda i=i: point_at(copy.center() + QPoint(i % 3 - 1, 0)))
+            await asyncio.sleep(0.1)  # pacing the moves, not waiting for a state
+            if not showing():
+                gone.append(i)
+        if gone:
+            raise StepFailed(f"the tooltip vanished while hovered (after moves {gone})")
+        await self.shot("tooltip-while-hovered")
+
+        panel = self.window.monitor_dock.widget()
+        tl = panel.timeline
+        await self.act(lambda: panel.scroll.ensureWidgetVisible(tl))
+        await self.act(lambda: QCursor.setPos(tl.mapToGlobal(QPoint(tl.width() // 3, 60))))
+        await self.until(
+            "the timeline's readout", lambda: tl.hover_text and QToolTip.isVisible(), 10
+        )
+        text = tl.hover_text
+        if not ("blocks used" in text and "tok/s" in text and ("s ago" in text or "now" in text)):
+            raise StepFailed(f"the timeline's readout reads {text!r}")
+        if QToolTip.text() != text:
+            raise StepFailed(f"the tooltip {QToolTip.text()!r} is not the readout {text!r}")
+        await self.shot("timeline-readout")
+        # park the pointer off the window (the screen's corner; the window is never that
+        # large): over a pane it would highlight that chat in the block map, fading the
+        # others, in every later screenshot
+        corner = self.window.screen().geometry().bottomRight() - QPoint(2, 2)
+        await self.act(lambda: QCursor.setPos(corner))
 
     async def relaunched(self) -> None:
         w = self.window
@@ -311,7 +425,7 @@ class Driver:
         await self.send(p, "Thank you!")
         await self.idle(p)
         await self.shot("relaunched-and-answered")
-        self.quit_soon()
+        await self.quit_soon()
 
 
 def main() -> int:

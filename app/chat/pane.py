@@ -31,6 +31,7 @@ from app.chat.message_model import ChatMessageModel
 from app.chat.message_view import MessageListView
 from app.chat.model_selector import ModelSelector
 from app.chat.session import ChatSession
+from app.core.rates import fmt_rate, shown_rate
 from app.core.records import Status
 from app.elided_label import ElidedLabel
 from app.qt_util import disconnect
@@ -561,12 +562,11 @@ class ChatPane(QFrame):
         if stats is not None:
             out["blocks_held"] = stats.blocks_held
             out["blocks_shared"] = stats.blocks_shared
-            if session is not None and session.busy:
-                out["tokens_per_s"] = stats.tokens_per_s
-                if stats.tokens_in_context:  # summed over the samples of an n>1 request
-                    out["context"] = stats.tokens_in_context // max(1, session.live_samples())
-        if out["tokens_per_s"] is None and session is not None and session.last_usage:
-            out["tokens_per_s"] = session.last_usage.get("decode_tokens_per_s")
+            # the monitor's figure for this chat, from the same snapshot (app/core/rates.py)
+            out["tokens_per_s"] = shown_rate(stats.tokens_per_s, stats.state)
+            if session is not None and session.busy and stats.tokens_in_context:
+                # summed over the samples of an n>1 request
+                out["context"] = stats.tokens_in_context // max(1, session.live_samples())
         return out
 
     def _update_footer(self, *_args: object) -> None:
@@ -582,7 +582,7 @@ class ChatPane(QFrame):
             self.footer.setText("Model not loaded")
             return
         s = self.footer_stats()
-        tps = f"{s['tokens_per_s']:.1f} tok/s" if s["tokens_per_s"] else "— tok/s"
+        tps = f"{fmt_rate(s['tokens_per_s'])} tok/s"
         ctx = _fmt_int(s["context"]) if s["context"] is not None else "—"
         limit = _fmt_int(s["max_context"]) if s["max_context"] else "—"
         blocks = f"{s['blocks_held']} blocks"
@@ -592,6 +592,7 @@ class ChatPane(QFrame):
         if text != self.footer.text():
             self.footer.setText(text)
             self.footer.setToolTip(
-                f"{text}\n\nDecode speed · context used / context limit · KV blocks held by "
-                "this chat (shared: also held by another sequence)"
+                f"{text}\n\nTokens generated per second over the last 2 s (as in the monitor) · "
+                "context used / context limit · KV blocks held by this chat (shared: also held "
+                "by another sequence)"
             )

@@ -34,6 +34,7 @@ SECURE_BACKENDS = {
     "keyring.backends.kwallet.DBusKeyringKWallet4": "KWallet",
     "keyring.backends.Windows.WinVaultKeyring": "Windows Credential Locker",
 }
+TESTS_ONLY = " (tests only)"  # ends the name of the backend TEST_BACKEND_ENV names
 MEMORY_NOTE = "No system keychain: the token is kept in memory for this run only."
 
 _memory: dict[str, str] = {}  # where secrets go when there is no secure backend
@@ -55,7 +56,7 @@ def _acceptable(backend: object) -> str | None:
         return SECURE_BACKENDS[name]
     allowed_for_tests = os.environ.get(TEST_BACKEND_ENV, "")
     if allowed_for_tests and name == allowed_for_tests:
-        return f"{type(backend).__name__} (tests only)"
+        return f"{type(backend).__name__}{TESTS_ONLY}"
     if name == "keyring.backends.chainer.ChainerBackend":
         inner = list(getattr(backend, "backends", []))
         names = [_acceptable(b) for b in inner]
@@ -78,6 +79,9 @@ def storage_note() -> str:
     name = secure_backend()
     if name is None:
         return MEMORY_NOTE
+    if name.endswith(TESTS_ONLY):  # keyrings.alt's file: say so, never "system keychain"
+        return (f"Stored by {name.removesuffix(TESTS_ONLY)}, a backend allowed for tests "
+                "only: not in a system keychain.")
     return f"Stored only in the system keychain ({name})."
 
 

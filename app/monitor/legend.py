@@ -33,6 +33,7 @@ from PySide6.QtWidgets import (
 )
 
 from app import colors
+from app.core.rates import fmt_rate, shown_rate
 
 Index = QModelIndex | QPersistentModelIndex
 MIN_ROWS, MAX_ROWS = 3, 6
@@ -290,7 +291,7 @@ class LegendModel(QAbstractTableModel):
         if col == WASTE:
             return f"{row.waste:,}"
         if col == RATE:  # an idle chat shows no speed (the engine's 2 s window lingers)
-            return f"{row.rate:.1f}" if row.rate >= 0.05 and row.state != "finished" else "–"
+            return fmt_rate(shown_rate(row.rate, row.state))
         return ""
 
 

@@ -15,10 +15,13 @@ import numpy as np
 from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QFont, QPainter, QPalette
 from PySide6.QtWidgets import (
+    QFrame,
     QHBoxLayout,
     QLabel,
+    QScrollArea,
     QSizePolicy,
     QStackedWidget,
+    QStyle,
     QToolButton,
     QVBoxLayout,
     QWidget,
@@ -40,6 +43,7 @@ from app.monitor.pool_state import PoolState
 from app.monitor.timeline import TimelineWidget
 
 WAITING, CONTENT, NOT_PAGED = range(3)
+MIN_SIDE = 64  # px: the panel's minimum width and height; narrower or shorter, it scrolls
 
 
 def _heading(text: str) -> QLabel:
@@ -79,6 +83,24 @@ def _small(label: QLabel, scale: float = 0.9) -> QLabel:
     return label
 
 
+class _Sections(QWidget):
+    """The panel's sections, inside its scroll area. QScrollArea sizes a widget whose layout
+    has a height-for-width part (the map key wraps) to that layout's *preferred* height, so
+    at 860 px the monitor scrolled by what the block map could have given up; this asks for
+    the minimum height at the width instead (the block map then takes what is left)."""
+
+    key: QWidget | None = None
+
+    def heightForWidth(self, width: int) -> int:
+        layout = self.layout()
+        height = layout.minimumSize().height()
+        if self.key is not None:
+            m = layout.contentsMargins()
+            wrapped = self.key.heightForWidth(width - m.left() - m.right())
+            height += max(0, wrapped - max(0, self.key.minimumSizeHint().height()))
+        return height
+
+
 class MonitorPanel(QWidget):
     def __init__(
         self, bridge: Any, chats: Chats | None = None, parent: QWidget | None = None
@@ -102,7 +124,16 @@ class MonitorPanel(QWidget):
             self.show_snapshot(bridge.latest_snapshot)
 
     def sizeHint(self) -> QSize:
-        return QSize(404, 760)  # wide enough for the counters in two columns
+        # wide enough for the counters in two columns even beside a vertical scroll bar: a
+        # bar that squeezed them into one column made them taller, which kept the bar
+        bar = self.style().pixelMetric(QStyle.PixelMetric.PM_ScrollBarExtent, None, self)
+        return QSize(404 + bar, 760)
+
+    def minimumSizeHint(self) -> QSize:
+        # A window's minimum size includes its docks': the sections' own ~210 x 550 px kept
+        # a window with four panes from shrinking to 800x600 (issue 11, item 4). The panel
+        # scrolls instead (self.scroll), so it can yield nearly all its room to the chats.
+        return QSize(MIN_SIDE, MIN_SIDE)
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -117,8 +148,15 @@ class MonitorPanel(QWidget):
         self.waiting_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         self.pages.addWidget(self.waiting_label)
 
-        content = QWidget()
-        self.pages.addWidget(content)
+        content = _Sections()
+        # scrolled, so the panel's minimum size can be small (see minimumSizeHint)
+        self.scroll = QScrollArea(self)
+        self.scroll.setObjectName("monitorScroll")
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setBackgroundRole(QPalette.ColorRole.Base)
+        self.scroll.setWidget(content)
+        self.pages.addWidget(self.scroll)
         v = QVBoxLayout(content)
         v.setContentsMargins(10, 8, 10, 10)
         v.setSpacing(5)
@@ -152,6 +190,7 @@ class MonitorPanel(QWidget):
         self.map_area.setBackgroundRole(QPalette.ColorRole.Base)
         v.addWidget(self.map_area, 1)
         self.key = MapKey()
+        content.key = self.key
         v.addWidget(self.key)
 
         v.addSpacing(6)
