@@ -15,9 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtWidgets import QApplication
-
-from app.core.records import ChatSettings
+from app.core.records import ChatSettings, Status
 from engine import EngineStatus, SamplingParams
 
 DEMO_MAX_TOKENS = 48
@@ -88,7 +86,15 @@ async def run_demo(window: Any, screenshot: str | None, max_tokens: int = DEMO_M
                 )
             )
 
-        if await _wait(live, DEMO_TIMEOUT_S) and bridge.status == "ready":
+        def one_ended() -> bool:  # too late for all three at once: shoot the result later
+            return any(
+                p.session.active_path() and p.session.active_path()[-1].role == "assistant"
+                and p.session.active_path()[-1].status not in Status.LIVE
+                for p in panes
+            )
+
+        if (await _wait(lambda: live() or one_ended(), DEMO_TIMEOUT_S) and live()
+                and bridge.status == "ready"):
             await asyncio.sleep(0.3)  # the monitor and the footers take the next snapshot
             shot_done = _save(window, screenshot)
             if not shot_done:
@@ -117,7 +123,9 @@ async def run_demo(window: Any, screenshot: str | None, max_tokens: int = DEMO_M
 
 
 def _save(window: Any, screenshot: str) -> bool:
-    QApplication.processEvents()
+    # No processEvents() here: inside this coroutine it would run the bridge's pump tasks
+    # re-entrantly (qasync: "Cannot enter into task"), killing the streams mid-reply. The
+    # caller awaits first, so the window has painted the latest snapshot; grab() renders it.
     path = Path(screenshot).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     if not window.grab().save(str(path)):

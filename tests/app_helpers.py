@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,24 @@ class Harness:
         self.window.close()
         self.bridge.shutdown()  # stops polling; never stops an engine it does not own
         self.store.close()
+
+
+@contextlib.contextmanager
+def engineless_window(qtbot: Any, store: Store,
+                      size: tuple[int, int] | None = None) -> Iterator[MainWindow]:
+    """A real main window on ``store`` with no engine behind it (for tests that need no
+    model); on exit its chats are shut down and the store closed."""
+    w = MainWindow(store, EngineBridge())
+    qtbot.addWidget(w)
+    if size is not None:
+        w.resize(*size)
+    w.show()
+    qtbot.waitExposed(w)
+    try:
+        yield w
+    finally:
+        w.shutdown_chats()
+        store.close()
 
 
 def open_window(qtbot: Any, data_dir: Any, engine: Any) -> Harness:

@@ -14,20 +14,14 @@ from PySide6.QtWidgets import QApplication, QMessageBox, QToolButton
 from app.core.store import Store
 from app.engine_bridge import EngineBridge
 from app.main_window import MainWindow
+from tests.app_helpers import engineless_window
 from tests.gui_helpers import click_button, trigger_menu_item, when_modal, when_popup_menu
 
 
 @pytest.fixture
 def window(qtbot, qasync_loop, app_env):
-    store = Store(app_env)
-    bridge = EngineBridge()
-    w = MainWindow(store, bridge)
-    qtbot.addWidget(w)
-    w.show()
-    qtbot.waitExposed(w)
-    yield w
-    w.shutdown_chats()
-    store.close()
+    with engineless_window(qtbot, Store(app_env)) as w:
+        yield w
 
 
 def _chat_with_message(window, text="hello there", new_pane=False):
@@ -700,7 +694,7 @@ def _cached_vs_free(window, qtbot, theme):
     from app import colors
     from tests.test_monitor_units import snapshot, stats
 
-    window.set_theme(theme)
+    window.theme_actions[theme].trigger()  # View ▸ Theme
     panel = window.monitor_dock.widget()
     m = panel.block_map
     # the pointer onto a pane and off it again: a hovered pane highlights its chat and

@@ -7,9 +7,9 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QAbstractButton, QWidget
 
 from app.core.store import Store
-from app.engine_bridge import EngineBridge
-from app.main_window import MAX_PANES, MainWindow
+from app.main_window import MAX_PANES
 from app.theme import theme_manager
+from tests.app_helpers import engineless_window
 from tests.user_path import (
     answer_message_box,
     delete_from_sidebar,
@@ -22,14 +22,8 @@ from tests.user_path import (
 
 @pytest.fixture
 def window(qtbot, qasync_loop, app_env):
-    store = Store(app_env)
-    bridge = EngineBridge()  # no engine: nothing here needs the model
-    w = MainWindow(store, bridge)
-    qtbot.addWidget(w)
-    w.show()
-    yield w
-    w.shutdown_chats()
-    store.close()
+    with engineless_window(qtbot, Store(app_env)) as w:
+        yield w
 
 
 def test_panes_open_close_and_focus_from_the_keyboard(window, qtbot):

@@ -18,22 +18,14 @@ from PySide6.QtWidgets import (
 
 from app.core.attachments import from_meta
 from app.core.store import Store
-from app.engine_bridge import EngineBridge
-from app.main_window import MainWindow
-from tests.app_helpers import WAIT_MS, open_window
+from tests.app_helpers import WAIT_MS, engineless_window, open_window
 from tests.user_path import answer_modal, type_and_send
 
 
 @pytest.fixture
 def window(qtbot, qasync_loop, app_env):
-    store = Store(app_env)
-    w = MainWindow(store, EngineBridge())  # no engine: nothing here needs the model
-    qtbot.addWidget(w)
-    w.show()
-    qtbot.waitExposed(w)
-    yield w
-    w.shutdown_chats()
-    store.close()
+    with engineless_window(qtbot, Store(app_env)) as w:
+        yield w
 
 
 def attach_by_dialog(qtbot, pane, folder, name: str) -> None:

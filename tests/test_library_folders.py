@@ -13,9 +13,8 @@ from PySide6.QtWidgets import QApplication, QDialogButtonBox, QInputDialog, QLin
 
 from app.core.records import ChatSettings, Message, new_id
 from app.core.store import DB_NAME, Store
-from app.engine_bridge import EngineBridge
-from app.main_window import MainWindow
 from engine import SamplingParams
+from tests.app_helpers import engineless_window
 from tests.user_path import answer_message_box, answer_modal
 
 
@@ -55,14 +54,8 @@ def test_store_folders(tmp_path):
 def window(qtbot, qasync_loop, app_env):
     store = Store(app_env)
     ids = [started_chat(store, t) for t in ("alpha", "beta", "gamma")]
-    w = MainWindow(store, EngineBridge())  # no engine: nothing here needs the model
-    qtbot.addWidget(w)
-    w.resize(1200, 800)
-    w.show()
-    qtbot.waitExposed(w)
-    yield w, ids
-    w.shutdown_chats()
-    store.close()
+    with engineless_window(qtbot, store, size=(1200, 800)) as w:
+        yield w, ids
 
 
 def make_folder_by_button(qtbot, window, name: str) -> None:

@@ -11,9 +11,8 @@ from PySide6.QtWidgets import QApplication
 
 from app.core.records import Message, new_id
 from app.core.store import Store
-from app.engine_bridge import EngineBridge
-from app.main_window import MainWindow
 from app.search_results import HitRole
+from tests.app_helpers import engineless_window
 
 
 def type_text(widget, text: str) -> None:
@@ -60,14 +59,8 @@ def window(qtbot, qasync_loop, app_env):
     m = Message(new_id(), other.id, None, "user", f"{LONG} we may see a quokka {LONG}")
     store.add_message(m)
     store.set_active_leaf(other.id, m.id)
-    w = MainWindow(store, EngineBridge())  # no engine: nothing here needs the model
-    qtbot.addWidget(w)
-    w.resize(1200, 700)
-    w.show()
-    qtbot.waitExposed(w)
-    yield w, ids, other.id
-    w.shutdown_chats()
-    store.close()
+    with engineless_window(qtbot, store, size=(1200, 700)) as w:
+        yield w, ids, other.id
 
 
 def test_enter_opens_the_best_hit_scrolled_to_its_message(window, qtbot):

@@ -20,11 +20,9 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from markdown_it import MarkdownIt
-from pygments import highlight
 from pygments.formatters import HtmlFormatter
-from pygments.lexers import get_lexer_by_name
-from pygments.lexers.special import TextLexer
-from pygments.util import ClassNotFound
+
+from app.core.highlighting import highlighted
 
 if TYPE_CHECKING:  # the look is the theme's (app/theme.py), handed in by the caller
     from app.theme import MarkdownTheme
@@ -66,13 +64,8 @@ def _formatter(style: str) -> HtmlFormatter:
 
 
 def _highlight(code: str, lang: str, theme: MarkdownTheme) -> str:
-    try:
-        lexer = get_lexer_by_name(lang, stripnl=False) if lang else TextLexer(stripnl=False)
-    except ClassNotFound:
-        lexer = TextLexer(stripnl=False)
-    try:
-        out = highlight(code, lexer, _formatter(theme.pygments_style))
-    except Exception:  # a lexer bug must never lose the text
+    out = highlighted(code, lang, _formatter(theme.pygments_style))
+    if out is None:
         out = html.escape(code)
     return out.rstrip("\n")
 

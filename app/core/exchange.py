@@ -24,12 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from markdown_it import MarkdownIt
-from pygments import highlight
 from pygments.formatters import HtmlFormatter
-from pygments.lexers import get_lexer_by_name
-from pygments.lexers.special import TextLexer
-from pygments.util import ClassNotFound
 
+from app.core.highlighting import highlighted
 from app.core.records import ChatSettings, Conversation, Folder, Message, Status, new_id
 from app.core.tree import MessageTree
 
@@ -406,14 +403,8 @@ _FORMATTER = HtmlFormatter(style="default", cssclass="hl")
 
 
 def _highlight(code: str, lang: str, _attrs: Any) -> str:
-    try:
-        lexer = get_lexer_by_name(lang, stripnl=False) if lang else TextLexer(stripnl=False)
-    except ClassNotFound:
-        lexer = TextLexer(stripnl=False)
-    try:
-        return highlight(code, lexer, _FORMATTER)
-    except Exception:  # a lexer bug must never lose the text
-        return f"<pre>{html.escape(code)}</pre>"
+    out = highlighted(code, lang, _FORMATTER)
+    return f"<pre>{html.escape(code)}</pre>" if out is None else out
 
 
 _MD = MarkdownIt("commonmark", {"html": False, "highlight": _highlight}).enable(
