@@ -58,6 +58,11 @@ SAMPLING_UI: dict[str, FieldUI] = {
     "repetition_penalty": FieldUI(
         "&Repetition penalty:", "Repetition penalty", 0.5, 2.0, 0.05
     ),
+    "repetition_context_size": FieldUI(
+        "Repetition &window:", "Repetition window in tokens", 1, 4096,
+        tip="How many of the latest tokens the repetition penalty looks at; a window "
+            "shorter than a sentence lets the model repeat that sentence.",
+    ),
     "max_tokens": FieldUI("Max reply &tokens:", "Maximum reply tokens", 1, 32768),
     "seed": FieldUI("S&eed:", "Seed", -1, 2**31 - 1, special="random"),
 }

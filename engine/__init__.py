@@ -6,6 +6,7 @@ The public API (docs/ARCHITECTURE.md §3.9); other code uses only these names. N
 from engine.architecture import PROVEN_ARCHITECTURES
 from engine.config import (
     BLOCK_SIZES,
+    DEFAULT_REPETITION_CONTEXT,
     REPO_ID_PATTERN,
     EngineConfig,
     SamplingParams,
@@ -35,6 +36,7 @@ from engine.model_folder import context_limit
 __all__ = [
     "BLOCK_SIZES",
     "DEFAULT_MODEL_NAME",
+    "DEFAULT_REPETITION_CONTEXT",
     "PROVEN_ARCHITECTURES",
     "REPO_ID_PATTERN",
     "Counters",

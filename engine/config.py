@@ -99,6 +99,9 @@ SEED_RANGE = (0, 2**64 - 1)
 MAX_SAMPLES = 8
 #: Far above any model's context, but a bound: an int this large is a typo, not a wish.
 MAX_NEW_TOKENS = 1 << 20
+#: The repetition penalty's window: mlx-lm's default, and a bound far above any useful one.
+DEFAULT_REPETITION_CONTEXT = 20
+MAX_REPETITION_CONTEXT = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,10 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    #: How many of the latest tokens (prompt included) the repetition penalty looks at:
+    #: mlx-lm's ``repetition_context_size``. Its 20 cannot see a looping sentence longer
+    #: than 20 tokens, so the app's defaults widen it.
+    repetition_context_size: int = DEFAULT_REPETITION_CONTEXT
     max_tokens: int = 512
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
@@ -133,6 +140,8 @@ class SamplingParams:
         put(self, "repetition_penalty", _real(
             "repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 disables it)",
             lambda v: v > 0.0))
+        put(self, "repetition_context_size", _integer(
+            "repetition_context_size", self.repetition_context_size, 1, MAX_REPETITION_CONTEXT))
         put(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1, MAX_NEW_TOKENS))
         if self.seed is not None:
             put(self, "seed", _integer("seed", self.seed, *SEED_RANGE,

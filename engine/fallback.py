@@ -151,8 +151,10 @@ class FallbackRunner:
             seq = sched.waiting.popleft()
             params = seq.request.params
             room = self.max_context - len(seq.tokens)
-            processors = (make_logits_processors(repetition_penalty=params.repetition_penalty)
-                          if params.repetition_penalty != 1.0 else [])
+            processors = (make_logits_processors(
+                repetition_penalty=params.repetition_penalty,
+                repetition_context_size=params.repetition_context_size,
+            ) if params.repetition_penalty != 1.0 else [])
             (uid,) = self.generator.insert(
                 [list(seq.tokens)],
                 max_tokens=[max(1, min(params.max_tokens - seq.num_generated, room))],

@@ -27,9 +27,6 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from engine.config import SamplingParams
 
-#: Tokens of history the repetition penalty looks at (mlx-lm's default context size).
-REPETITION_CONTEXT = 20
-
 
 def new_key(seed: int | None, index: int) -> mx.array:
     """The PRNG key of sample ``index``: from the seed when given, else fresh entropy."""
@@ -89,16 +86,18 @@ def sample_rows(logits: mx.array, rows: Sequence[SamplingRow]) -> tuple[mx.array
 
 def _penalise_repetitions(x: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
     """mlx-lm's repetition penalty on every row at once: each row's last
-    ``REPETITION_CONTEXT`` tokens are divided (positive logits) or multiplied (negative) by
-    its penalty. Short histories are padded by repeating a token, which rewrites the same
-    value twice."""
+    ``repetition_context_size`` tokens are divided (positive logits) or multiplied (negative)
+    by its penalty. Rows are padded to the widest window by repeating a token, which rewrites
+    the same value twice; a row without a penalty gets a factor of 1."""
+    width = max(r.params.repetition_context_size for r in rows
+                if r.params.repetition_penalty != 1.0)
     context = []
     penalties = []
     for r in rows:
-        recent = list(r.history[-REPETITION_CONTEXT:])
+        recent = list(r.history[-r.params.repetition_context_size:])
         penalties.append([r.params.repetition_penalty if recent else 1.0])
-        recent = recent or [0]
-        context.append(recent + [recent[-1]] * (REPETITION_CONTEXT - len(recent)))
+        recent = recent[-width:] or [0]
+        context.append(recent + [recent[-1]] * (width - len(recent)))
     index = mx.array(context, dtype=mx.int32)
     penalty = mx.array(penalties, dtype=mx.float32)
     selected = mx.take_along_axis(x, index, axis=-1)

@@ -21,10 +21,6 @@ from engine.config import SamplingParams
 from engine.model_folder import LoadedModel
 from engine.models import load_model
 
-# mlx-lm's make_logits_processors default (repetition_context_size=20): the penalty looks at
-# the last 20 tokens of the sequence, whatever longer history the caller hands it.
-REPETITION_WINDOW = 20
-
 
 @functools.lru_cache(maxsize=1)
 def reference_model() -> LoadedModel:
@@ -52,16 +48,16 @@ def oracle_distribution(logits: Sequence[float] | np.ndarray, params: SamplingPa
     """The distribution a draw must follow, computed in float64 numpy from the definitions
     (independent of engine.sampling and of mlx-lm's filter code):
 
-    repetition penalty on the last REPETITION_WINDOW tokens (a seen token's logit is divided by
-    the penalty when positive, multiplied when negative); then the kept set, chosen on the
-    untempered softmax: top-p = the most likely tokens until their mass reaches top_p, min-p =
-    tokens with p >= min_p * p_max, top-k = the k most likely; then softmax(logits / T)
+    repetition penalty on the last repetition_context_size tokens (a seen token's logit is
+    divided by the penalty when positive, multiplied when negative); then the kept set, chosen
+    on the untempered softmax: top-p = the most likely tokens until their mass reaches top_p,
+    min-p = tokens with p >= min_p * p_max, top-k = the k most likely; then softmax(logits / T)
     restricted to the kept set. Temperature 0 is a point mass on the argmax.
     """
     x = np.asarray(logits, dtype=np.float64).copy()
     if params.repetition_penalty != 1.0:
         penalty = params.repetition_penalty
-        for t in set(history[-REPETITION_WINDOW:]):
+        for t in set(history[-params.repetition_context_size:]):
             x[t] = x[t] * penalty if x[t] < 0 else x[t] / penalty
     if params.greedy:
         out = np.zeros_like(x)
@@ -126,8 +122,11 @@ def sample_next(
     one: next token (a lazy scalar) for one row [vocab], and the key for its next draw."""
     row = logits[None].astype(mx.float32)
     if params.repetition_penalty != 1.0:
-        context = mx.array(history[-64:], dtype=mx.int32)
-        for processor in make_logits_processors(repetition_penalty=params.repetition_penalty):
+        context = mx.array(history, dtype=mx.int32)
+        for processor in make_logits_processors(
+            repetition_penalty=params.repetition_penalty,
+            repetition_context_size=params.repetition_context_size,
+        ):
             row = processor(context, row)
     if params.greedy:
         return mx.argmax(row, axis=-1)[0], key

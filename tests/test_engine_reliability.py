@@ -72,6 +72,8 @@ BAD_PARAMS = [
     ("min_p", -0.1), ("min_p", 1.5), ("min_p", math.nan),
     ("repetition_penalty", math.nan), ("repetition_penalty", 0.0),
     ("repetition_penalty", math.inf), ("repetition_penalty", -1.0),
+    ("repetition_context_size", 0), ("repetition_context_size", 2.5),
+    ("repetition_context_size", 2**20),
     ("max_tokens", 0), ("max_tokens", 2.5), ("max_tokens", math.inf),
     ("stop", [1]), ("stop", [""]), ("stop", 5), ("stop", ["ok", None]),
     ("n", 0), ("n", 9), ("n", 1.5),

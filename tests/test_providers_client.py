@@ -75,7 +75,7 @@ def chat(p: Provider, model: str, text: str, params=GREEDY, key=KEY, stop=False,
 
 def test_streams_tokens_then_one_final_with_usage_and_maps_sampling(faults):
     params = SamplingParams(temperature=0.5, top_p=0.8, max_tokens=33, seed=7, stop=("END",),
-                            repetition_penalty=1.2)
+                            repetition_penalty=1.2, repetition_context_size=96)
     events = chat(provider(faults.url), "echo", "one two three", params, system="Be brief.")
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     assert "".join(t.text for t in tokens) == "one two three"
@@ -88,7 +88,8 @@ def test_streams_tokens_then_one_final_with_usage_and_maps_sampling(faults):
     body = faults.requests[-1]
     assert body["messages"][0] == {"role": "system", "content": "Be brief."}
     assert (body["temperature"], body["top_p"], body["max_tokens"], body["seed"],
-            body["stop"], body["repetition_penalty"]) == (0.5, 0.8, 33, 7, ["END"], 1.2)
+            body["stop"], body["repetition_penalty"], body["repetition_context_size"]) == (
+        0.5, 0.8, 33, 7, ["END"], 1.2, 96)
     assert body["stream"] is True and "n" not in body
     assert faults.auth_headers[-1] == f"Bearer {KEY}"
 

@@ -19,7 +19,7 @@ import pytest
 
 from engine.config import SamplingParams
 from engine.sampling import SamplingRow, new_key, sample_rows
-from tests.reference import REPETITION_WINDOW, oracle_distribution
+from tests.reference import oracle_distribution
 
 DRAWS = 2000
 # Separated logits (no two kept/dropped decisions sit on a boundary), positive and negative.
@@ -89,11 +89,39 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     assert expected[0] < plain[0] and expected[3] < plain[3] and expected[7] < plain[7]
 
 
-def test_repetition_penalty_window():
-    """Only the last REPETITION_WINDOW tokens count: a token seen before them is not
-    penalised (mlx-lm's repetition_context_size)."""
-    history = [1] + [9] * REPETITION_WINDOW
-    assert_follows(SamplingParams(temperature=1.0, repetition_penalty=3.0), history)
+@pytest.mark.parametrize("window", [20, 64])
+@pytest.mark.parametrize("inside", [True, False])
+def test_repetition_penalty_window(window, inside):
+    """Only the last repetition_context_size tokens count (mlx-lm's default is 20): token 1
+    is penalised while it is inside the window, and not once it has left it."""
+    history = [1] + [9] * (window - 1 if inside else window)
+    params = SamplingParams(temperature=1.0, repetition_penalty=3.0,
+                            repetition_context_size=window)
+    expected = assert_follows(params, history)
+    plain = oracle_distribution(LOGITS, SamplingParams(temperature=1.0), [9])
+    assert (expected[1] < plain[1]) == inside
+
+
+def test_rows_with_different_windows_share_one_step():
+    """A batch mixing a 5-token and a 64-token window: each row follows its own oracle (the
+    rows are padded to the widest window without penalising anything more)."""
+    history = [1] + [9] * 10
+    narrow = SamplingParams(temperature=1.0, repetition_penalty=3.0, repetition_context_size=5)
+    wide = SamplingParams(temperature=1.0, repetition_penalty=3.0, repetition_context_size=64)
+    half = DRAWS // 2
+    logits = mx.broadcast_to(mx.array(LOGITS), (DRAWS, len(LOGITS)))
+    keys = mx.random.split(mx.random.key(7), DRAWS)
+    rows = [SamplingRow(narrow if i < half else wide, history, keys[i]) for i in range(DRAWS)]
+    tokens = np.array(sample_rows(logits, rows)[0]).tolist()
+    for params, drawn in ((narrow, tokens[:half]), (wide, tokens[half:])):
+        expected = oracle_distribution(LOGITS, params, history)
+        counts = np.bincount(drawn, minlength=len(LOGITS))
+        kept = expected > 0
+        e = expected[kept] * half
+        chi2 = float(((counts[kept] - e) ** 2 / e).sum())
+        assert chi2 < chi2_quantile(int(kept.sum()) - 1), (params, counts.tolist())
+    assert oracle_distribution(LOGITS, narrow, history)[1] > oracle_distribution(
+        LOGITS, wide, history)[1]
 
 
 def test_filters_and_penalty_together():

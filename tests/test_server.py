@@ -299,6 +299,7 @@ def test_a_missing_or_wrong_key_gets_401(server, engine) -> None:
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": 1.0}, "frequency_penalty"),
         ({"seed": "x"}, "seed"),
+        ({"extra_body": {"repetition_context_size": 0}}, "repetition_context_size"),
         ({"stream": "yes"}, "stream"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.server.errors import APIError
-from engine import SamplingParams
+from engine import DEFAULT_REPETITION_CONTEXT, SamplingParams
 
 MAX_STOP_STRINGS = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -95,6 +95,8 @@ def _common(body: dict, **prompt: Any) -> ParsedRequest:
         "top_k": _integer(body, "top_k", 0),
         "min_p": _number(body, "min_p", 0.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0),
+        "repetition_context_size": _integer(body, "repetition_context_size",
+                                            DEFAULT_REPETITION_CONTEXT),
         "n": _integer(body, "n", 1),
         "seed": _integer(body, "seed", None),
         "stop": _stop(body.get("stop")),

@@ -23,7 +23,14 @@ from typing import Any
 import openai
 
 from app.core.providers.records import Provider
-from engine import FinalEvent, FinishReason, SamplingParams, TokenEvent, Usage
+from engine import (
+    DEFAULT_REPETITION_CONTEXT,
+    FinalEvent,
+    FinishReason,
+    SamplingParams,
+    TokenEvent,
+    Usage,
+)
 
 MAX_RETRIES = 2
 Emit = Callable[[Any], None]
@@ -130,9 +137,9 @@ def request_body(messages: list[dict[str, str]], model: str, params: SamplingPar
                  n: int) -> dict[str, Any]:
     """The chat's system prompt and sampling as OpenAI chat-completion arguments.
 
-    top_k, min_p and repetition_penalty are not OpenAI parameters; servers built on vLLM or
-    mlx-lm read them from the body, so they go as extra fields, and only when not neutral
-    (a strict hosted API then never sees them).
+    top_k, min_p, repetition_penalty and repetition_context_size are not OpenAI parameters;
+    servers built on vLLM or mlx-lm read them from the body, so they go as extra fields, and
+    only when not neutral (a strict hosted API then never sees them).
     """
     body: dict[str, Any] = {
         "model": model,
@@ -156,6 +163,8 @@ def request_body(messages: list[dict[str, str]], model: str, params: SamplingPar
         extra["min_p"] = params.min_p
     if params.repetition_penalty != 1.0:
         extra["repetition_penalty"] = params.repetition_penalty
+        if params.repetition_context_size != DEFAULT_REPETITION_CONTEXT:
+            extra["repetition_context_size"] = params.repetition_context_size
     if extra:
         body["extra_body"] = extra
     return body
