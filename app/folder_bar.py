@@ -24,6 +24,7 @@ from PySide6.QtGui import QContextMenuEvent
 from PySide6.QtWidgets import QAbstractItemView, QFrame, QListView, QMenu, QWidget
 
 from app.core.records import Folder
+from app.elided_label import ElidedLabel
 
 CHAT_IDS_MIME = "application/x-pagedchat-chat-ids"
 ALL = "__all__"  # the "All Chats" row: no filter; a drop there moves chats to the top level
@@ -201,7 +202,7 @@ class FolderPanel(QWidget):
     changed = Signal()  # folders or chats' folders changed: the lists reload
 
     def __init__(self, store: Any, parent: QWidget | None = None) -> None:
-        from PySide6.QtWidgets import QHBoxLayout, QLabel, QToolButton, QVBoxLayout
+        from PySide6.QtWidgets import QHBoxLayout, QToolButton, QVBoxLayout
 
         super().__init__(parent)
         self.store = store
@@ -209,7 +210,7 @@ class FolderPanel(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(2)
         top = QHBoxLayout()
-        heading = QLabel("Folders")
+        heading = ElidedLabel("Folders")  # its big font must not set the sidebar's minimum
         heading.setObjectName("sidebarHeading")
         top.addWidget(heading, 1)
         self.new_button = QToolButton()

@@ -55,6 +55,10 @@ GLYPHS: dict[str, str] = {
     ),
     "sidebar": '<rect x="3" y="4" width="18" height="16" rx="2"/><path d="M9 4v16"/>',
     "search": '<circle cx="11" cy="11" r="6"/><path d="M20 20l-4.5-4.5"/>',
+    "paperclip": (
+        '<path d="M20 11.5l-8 8a5 5 0 0 1-7-7l8.5-8.5a3.3 3.3 0 0 1 4.7 4.7L9.7 17.2'
+        'a1.7 1.7 0 0 1-2.4-2.4L15 7.1"/>'
+    ),
     "chip": (
         '<rect x="6" y="6" width="12" height="12" rx="2"/>'
         '<path d="M9 2v4M15 2v4M9 18v4M15 18v4M2 9h4M2 15h4M18 9h4M18 15h4"/>'

@@ -52,6 +52,7 @@ from PySide6.QtWidgets import (
 from app import colors, icons
 from app.core.records import Conversation
 from app.core.session_logic import DEFAULT_TITLE
+from app.elided_label import ElidedLabel
 from app.folder_bar import ALL, CHAT_IDS_MIME, FolderPanel, encode_chat_ids
 from app.search_results import SearchResultsView
 
@@ -345,7 +346,7 @@ class Sidebar(QFrame):
         layout.setSpacing(8)
 
         top = QHBoxLayout()
-        heading = QLabel("Chats")
+        heading = ElidedLabel("Chats")  # its big font must not set the sidebar's minimum
         heading.setObjectName("sidebarHeading")
         top.addWidget(heading, 1)
         self.new_button = QToolButton()

@@ -155,3 +155,28 @@ def test_token_count_and_the_over_context_warning(qtbot, qasync_loop, app_env, a
         assert bar.status.text().startswith("⚠") and "more than the" in bar.status.text()
     finally:
         h.close()
+
+
+def test_the_attach_button_draws_every_character_it_shows(window):
+    """The button showed "📎 Attach…", and where the font has no paperclip (most Linux
+    desktops) the user saw an empty box: its text must be drawable in its own font, and the
+    paperclip is a drawn icon that follows the theme."""
+    from PySide6.QtGui import QFontMetrics, QPalette
+
+    button = window.focused_pane.attachments.attach_button
+    metrics = QFontMetrics(button.font())
+    missing = [ch for ch in button.text() if not metrics.inFontUcs4(ord(ch))]
+    assert not missing, f"characters the font cannot draw: {missing}"
+    assert not button.icon().isNull()
+    before = button.icon().pixmap(14).toImage()
+    app = QApplication.instance()
+    palette = app.palette()
+    inverted = QPalette(palette)
+    inverted.setColor(QPalette.ColorRole.ButtonText, Qt.GlobalColor.red)
+    app.setPalette(inverted)
+    try:
+        window.focused_pane.refresh_icons()
+        assert button.icon().pixmap(14).toImage() != before
+    finally:
+        app.setPalette(palette)
+        window.focused_pane.refresh_icons()

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QEvent, QObject, Signal
+from PySide6.QtCore import QEvent, QObject, Qt, Signal
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QToolButton, QWidget
 
+from app import icons
 from app.core.attachments import Attachment, AttachmentError, prompt_content, read_attachment
 
 
@@ -55,7 +56,10 @@ class AttachmentBar(QWidget):
         row.setContentsMargins(12, 0, 12, 0)
         row.setSpacing(4)
         self.attach_button = QToolButton(self)
-        self.attach_button.setText("📎 Attach…")
+        # A drawn icon, not an emoji: fonts without one (most Linux desktops) showed a box.
+        self.attach_button.setText("Attach…")
+        self.attach_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.refresh_icon()
         self.attach_button.setAccessibleName("Attach files")
         self.attach_button.setToolTip("Attach text, Markdown, code or PDF files (or drop them)")
         self.attach_button.setAutoRaise(True)
@@ -69,6 +73,11 @@ class AttachmentBar(QWidget):
         self.status.setAccessibleName("Attachment size")
         self.status.setWordWrap(True)
         row.addWidget(self.status, 1)
+
+    def refresh_icon(self) -> None:
+        """The paperclip in the current palette's text colour (again after a theme change)."""
+        self.attach_button.setIcon(icons.icon("paperclip", size=14))
+        self.attach_button.setIconSize(icons.icon_size(14))
 
     # ---- adding and removing -------------------------------------------------------------
 

@@ -215,6 +215,7 @@ class ChatPane(QFrame):
     def refresh_icons(self) -> None:
         for b in (self.settings_button, self.close_button):
             b.setIcon(icons.icon(b.property("icon_name"), size=16))
+        self.attachments.refresh_icon()
         self._update_busy()
 
     # ---- session binding -----------------------------------------------------------------
