@@ -151,6 +151,11 @@ def checked_call(
         raise ValueError(f"q must be [B, H, L, D], got {q.shape}")
     if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
         raise ValueError(f"pools must share a 4-d shape, got {k_pool.shape} and {v_pool.shape}")
+    if 0 in q.shape or 0 in block_tables.shape or 0 in k_pool.shape:
+        # MLX's CUDA graphs reject a zero-sized launch (cudaGraphAddKernelNode: invalid
+        # argument) at evaluation, far from the caller: refuse it here, by name.
+        raise ValueError(f"a kernel launch over an empty dimension: q {q.shape}, "
+                         f"block_tables {block_tables.shape}, pool {k_pool.shape}")
     batch, num_heads, query_len, head_dim = q.shape
     _, block_size, num_kv_heads, pool_dim = k_pool.shape
     if pool_dim != head_dim:

@@ -54,7 +54,7 @@ class StepBatch:
     decode_tables: mx.array | None  # [num_decode, max_blocks]
     decode_lens: mx.array | None  # [num_decode]
     prefills: tuple[PrefillChunk, ...]
-    logit_rows: mx.array  # rows whose logits are returned, in work order
+    logit_rows: mx.array | None  # rows whose logits are returned, in work order (None: none)
     logit_owners: tuple[int, ...]  # index into the work list for each logit row
     work_rows: tuple[int, ...] = ()  # the first row of each work, in work order
 
@@ -111,7 +111,8 @@ def build_step_batch(work: Sequence[SequenceWork]) -> StepBatch:
         decode_tables=decode_tables,
         decode_lens=decode_lens,
         prefills=tuple(prefills),
-        logit_rows=mx.array(logit_rows, dtype=mx.int32),
+        # No empty arrays: MLX's CUDA graphs fail on a zero-sized launch (docs/GPU.md).
+        logit_rows=mx.array(logit_rows, dtype=mx.int32) if logit_rows else None,
         logit_owners=tuple(logit_owners),
         work_rows=tuple(work_rows),
     )
@@ -242,17 +243,34 @@ class PagedModel:
                 inner.norm = _RowSelectingNorm(inner.norm)
             self._row_norm = inner.norm
 
-    def forward(self, batch: StepBatch) -> mx.array:
-        """Run the step; returns logits [len(batch.logit_rows), vocab] (lazy)."""
+    def forward(self, batch: StepBatch) -> mx.array | None:
+        """Run the step; returns logits [len(batch.logit_rows), vocab] (lazy), or None when
+        no row wants logits (a prompt chunk that is not its prompt's last).
+
+        Without logits the caller evaluates :meth:`written` instead: the pool writes are
+        what such a step is for. The final norm then selects one row, so no array with a
+        zero-sized dimension enters the graph (MLX's CUDA backend fails such a launch with
+        ``cudaGraphAddKernelNode ... invalid argument``), and the LM head, not being
+        evaluated, costs nothing.
+        """
         for cache in self.caches:
             cache.batch = batch
+        rows = batch.logit_rows
         if self._row_norm is not None:
-            self._row_norm.rows = batch.logit_rows
+            last = batch.tokens.shape[0] - 1
+            self._row_norm.rows = rows if rows is not None else mx.array([last], dtype=mx.int32)
         try:
             logits = self.model(batch.tokens, cache=self.caches)
         finally:
             if self._row_norm is not None:
                 self._row_norm.rows = None
+        if rows is None:
+            return None
         if self._row_norm is None:
-            logits = logits[batch.logit_rows]
+            logits = logits[rows]
         return logits[:, -1, :]
+
+    def written(self) -> list[mx.array]:
+        """The pool arrays a step wrote (lazy until evaluated): evaluating them runs a step
+        that wants no logits."""
+        return [*self.pool.keys, *self.pool.values]

@@ -165,8 +165,8 @@ class StepRunner:
                     owners.append(i)
                     seqs.append(s)
                     rows.append(row)
-        if not rows:
-            mx.async_eval(logits)  # the prompt chunk's K/V still has to be written
+        if not rows:  # a prompt chunk that samples nothing, or every row failed to prepare
+            mx.async_eval(self.paged_model.written())  # its K/V still has to be written
             return None
         if owners != list(range(logits.shape[0])):
             logits = logits[mx.array(owners, dtype=mx.int32)]
@@ -241,7 +241,7 @@ class StepRunner:
                       for j, t in enumerate(work.tokens)]
             batch = build_step_batch([replace(work, tokens=tokens)])
             logits = self.paged_model.forward(batch)
-            mx.eval(logits)
+            mx.eval(logits if logits is not None else self.paged_model.written())
         except Exception as e:
             self.output.finish(seq, FinishReason.ERROR, describe(e))
             for s, _ in samples or []:
