@@ -25,7 +25,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from engine import Engine, EngineConfig, FinishReason, SamplingParams, TokenEvent
+from engine import (
+    Engine,
+    EngineConfig,
+    FinishReason,
+    SamplingParams,
+    SequenceState,
+    TokenEvent,
+)
 from tests.reference import chat_prompt, collect, greedy_reference, reference_model, wait_until
 from tests.tiny_model import budget_mib, greedy_with_margin, make_tiny_model
 
@@ -343,7 +350,11 @@ def test_snapshot_forgets_finished_sessions(tiny: Path) -> None:
                           session_id="still-talking")
         for h in handles:
             h.result(120)
-        wait_until(lambda: f"once-{count - 1}" in eng.snapshot().sessions)
+        # A snapshot published after the last one-shot request ended (one published while
+        # it still waited lists the waiting sessions too).
+        last = f"once-{count - 1}"
+        wait_until(lambda: getattr(eng.snapshot().sessions.get(last), "state", None)
+                   == SequenceState.FINISHED)
         sessions = eng.snapshot().sessions
         assert len(sessions) <= RECENT_SESSIONS + 1, len(sessions)
         assert "still-talking" in sessions  # a live session is never forgotten

@@ -1,0 +1,428 @@
+"""The engine checked end to end through its public API, on a model folder, on any backend.
+
+Written for the lent H200 (``scripts/gpu/check.sh`` runs it there after the CUDA kernel
+tests; docs/GPU.md): a change to ``engine/``, ``shaders/`` or the model adapter is done
+only once this passed on the GPU. CI runs it on the CPU with ``--quick`` (tiny sizes), so
+the checks themselves cannot rot.
+
+What it checks, each against mlx-lm's own greedy generation on its own KV cache (an
+independent reference; fp32 weights):
+
+* prompts of 1, 255, 256, 257, 1k, 4k, 16k and 32k tokens, all submitted together (decodes
+  and prefill chunks share steps), with prefill chunks of 16, 256 and 2048 tokens,
+  overlapped and synchronous steps, on the kernel and on the reference attention path, and
+  once with the app's own defaults (adaptive prefill budget);
+* a prefix-cache hit (a prompt that extends a finished one reuses its blocks);
+* n = 3 samples forked from one prompt (copy-on-write of the partial block);
+* preemption in a pool too small for every reply at once;
+* cancelling a request in the middle of a long prefill (its blocks come back);
+* stop strings (the reply ends before the string);
+* no request anywhere ends with ``finish_reason`` error.
+
+Greedy tokens must equal the reference's up to the first near-tie of the reference (top two
+logits closer than ``TIE``): fp32 rounding differs between a batched paged step and one
+sequence on a contiguous cache, and such a tie may flip (docs/GPU.md). A divergence
+anywhere before a tie fails. The last line printed is the summary:
+``gpu-check: PASS 123 checks ...`` or ``gpu-check: FAIL 3 of 123: ...``.
+
+    python scripts/gpu/check_engine.py [--quick] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from engine import (  # noqa: E402
+    Engine,
+    EngineConfig,
+    FinalEvent,
+    FinishReason,
+    SamplingParams,
+    TokenEvent,
+)
+
+#: Relative gap between the reference's two best logits under which a flipped greedy token
+#: is rounding, not a bug (fp32 on a GPU: TF32 matmuls round at about 1e-3).
+TIE = 2e-3
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The check's dimensions: the full run for the GPU, a quick one for the CPU."""
+
+    model: dict
+    vocab: int
+    context: int
+    prompt_lengths: tuple[int, ...]
+    chunks: tuple[int, ...]
+    small_chunk_prompt_limit: int  # the smallest chunk runs only prompts up to this length
+    new_tokens: int
+    budget_mib: float
+    aux_chunk: int  # the prefill chunk of the prefix/fork/stop/cancel checks
+    cancel_prompt: int  # long enough to be seen mid-prefill in a snapshot (every 50 ms)
+    block_size: int = 16
+
+
+FULL = Sizes(
+    model=dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    vocab=4096, context=32768 + 64,
+    prompt_lengths=(1, 255, 256, 257, 1000, 4000, 16000, 32000),
+    chunks=(16, 256, 2048), small_chunk_prompt_limit=4000, new_tokens=8, budget_mib=512.0,
+    aux_chunk=256, cancel_prompt=16000,
+)
+QUICK = Sizes(
+    model=dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    vocab=512, context=4096 + 64,
+    prompt_lengths=(1, 15, 16, 17, 40, 130),
+    chunks=(16, 32), small_chunk_prompt_limit=130, new_tokens=4, budget_mib=24.0,
+    aux_chunk=16, cancel_prompt=4000,
+)
+
+
+# ---- the model folder: an ordinary mlx-lm folder, loaded by the engine as a user's would be --
+
+
+def write_model_folder(folder: Path, sizes: Sizes, seed: int = 0) -> Path:
+    """A random-weight fp32 llama with a word-level tokenizer (one word per id)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    config = dict(model_type="llama", vocab_size=sizes.vocab, rms_norm_eps=1e-5,
+                  rope_theta=500000.0, tie_word_embeddings=False,
+                  max_position_embeddings=sizes.context, bos_token_id=0,
+                  eos_token_id=sizes.vocab - 1, torch_dtype="float32", **sizes.model)
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(sizes.vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="PreTrainedTokenizerFast", bos_token="w0",
+        eos_token=f"w{sizes.vocab - 1}", unk_token="w0")))
+    return folder
+
+
+class Reference:
+    """mlx-lm's own greedy generation (its KVCache, one sequence) with the logit gaps."""
+
+    def __init__(self, folder: Path) -> None:
+        import mlx_lm
+
+        self.model, self.tokenizer = mlx_lm.load(str(folder))
+        self._memo: dict[tuple, tuple[list[int], list[float]]] = {}
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+        key = (tuple(prompt), max_tokens)
+        if key not in self._memo:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            cache = make_prompt_cache(self.model)
+            logits = None
+            for start in range(0, len(prompt), 2048):
+                logits = self.model(mx.array([prompt[start:start + 2048]]), cache=cache)[0, -1]
+            tokens, gaps = [], []
+            for _ in range(max_tokens):
+                x = logits.astype(mx.float32)
+                top2 = mx.topk(x, 2)
+                token = int(mx.argmax(x).item())
+                hi, lo = sorted((float(top2[0].item()), float(top2[1].item())), reverse=True)
+                gaps.append((hi - lo) / (abs(hi) + 1.0))
+                tokens.append(token)
+                if token in self.tokenizer.eos_token_ids:
+                    break
+                logits = self.model(mx.array([[token]]), cache=cache)[0, -1]
+            self._memo[key] = (tokens, gaps)
+        return self._memo[key]
+
+
+# ---- results ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    passed: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    tie_flips: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        (self.passed if ok else self.failed).append(name if ok else f"{name}: {detail}")
+        if not ok:
+            print(f"  FAIL {name}: {detail}", flush=True)
+        return ok
+
+
+def collect(handle) -> tuple[dict[int, list[int]], dict[int, FinalEvent]]:
+    tokens: dict[int, list[int]] = {}
+    finals: dict[int, FinalEvent] = {}
+    for event in handle:
+        if isinstance(event, TokenEvent):
+            tokens.setdefault(event.index, []).extend(event.token_ids)
+        else:
+            finals[event.index] = event
+    return tokens, finals
+
+
+def compare_greedy(results: Results, name: str, got: list[int], expected: list[int],
+                   gaps: list[float]) -> None:
+    first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    if first is None and len(got) != len(expected):
+        first = min(len(got), len(expected))
+    if first is None:
+        results.check(name, True)
+        return
+    tie = min(gaps[: first + 1]) if gaps else 1.0
+    if tie < TIE:
+        results.tie_flips.append(f"{name} at token {first} (gap {tie:.1e})")
+        results.check(name, True)
+    else:
+        results.check(name, False, f"token {first}: {got[first:first + 3]} vs "
+                                   f"{expected[first:first + 3]} (smallest gap {tie:.1e})")
+
+
+def ended_well(results: Results, name: str, finals: dict[int, FinalEvent], n: int = 1) -> bool:
+    bad = [f for f in finals.values() if f.finish_reason == FinishReason.ERROR]
+    if bad:
+        return results.check(f"{name} no error", False, bad[0].error or "error")
+    return results.check(f"{name} finals", len(finals) == n, f"{len(finals)} of {n} finals")
+
+
+def start(folder: Path, sizes: Sizes, **overrides) -> Engine:
+    config = dict(model=str(folder), kv_memory_mib=sizes.budget_mib, block_size=sizes.block_size,
+                  max_batch=16, max_context=sizes.context)
+    config.update(overrides)
+    eng = Engine(EngineConfig(**config))
+    eng.start()
+    if not eng.wait_ready(600):
+        raise SystemExit(f"gpu-check: FAIL the engine did not load: {eng.load_error}")
+    return eng
+
+
+def prompt_of(length: int, vocab: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, vocab - 1, size=length).tolist()
+
+
+# ---- the checks -----------------------------------------------------------------------------
+
+
+def lengths_matrix(results: Results, folder: Path, ref: Reference, sizes: Sizes,
+                   modes: list[str]) -> None:
+    """Every prompt length, together in one engine, per chunk x overlap x attention path;
+    then once with the app's defaults."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=sizes.new_tokens)
+    prompts = {n: prompt_of(n, sizes.vocab, seed=n) for n in sizes.prompt_lengths}
+    configs = [dict(attention=mode, overlap=overlap, prefill_chunk=chunk, prefill_target=0)
+               for mode in modes for overlap in (True, False) for chunk in sizes.chunks]
+    configs.append(dict())  # the app's defaults: chunk 256, adaptive budget, backend overlap
+    for cfg in configs:
+        tag = ",".join(f"{k}={v}" for k, v in cfg.items()) or "app-defaults"
+        chunk = cfg.get("prefill_chunk", 256)
+        lengths = [n for n in prompts
+                   if chunk > min(sizes.chunks) or n <= sizes.small_chunk_prompt_limit]
+        t0 = time.perf_counter()
+        eng = start(folder, sizes, **cfg)
+        try:
+            handles = {n: eng.submit(prompt_tokens=prompts[n], params=greedy,
+                                     session_id=f"len-{n}") for n in lengths}
+            for n, handle in handles.items():
+                tokens, finals = collect(handle)
+                name = f"[{tag}] prompt {n}"
+                if ended_well(results, name, finals):
+                    compare_greedy(results, f"{name} greedy", tokens.get(0, []),
+                                   *ref.greedy(prompts[n], sizes.new_tokens))
+        finally:
+            eng.stop()
+        results.timings[tag] = time.perf_counter() - t0
+        print(f"  {tag}: {len(lengths)} prompts in {results.timings[tag]:.1f} s", flush=True)
+
+
+def prefix_cache(results: Results, eng: Engine, ref: Reference, sizes: Sizes) -> None:
+    base = prompt_of(max(sizes.prompt_lengths[-3], 64), sizes.vocab, seed=11)
+    longer = base + prompt_of(40, sizes.vocab, seed=12)
+    greedy = SamplingParams(temperature=0.0, max_tokens=sizes.new_tokens)
+    _, finals = collect(eng.submit(prompt_tokens=base, params=greedy, session_id="prefix-a"))
+    ended_well(results, "prefix first", finals)
+    hits_before = eng.snapshot().counters.prefix_cache_hits
+    tokens, finals = collect(eng.submit(prompt_tokens=longer, params=greedy,
+                                        session_id="prefix-b"))
+    if ended_well(results, "prefix second", finals):
+        cached = finals[0].usage.cached_prompt_tokens
+        whole = len(base) // sizes.block_size * sizes.block_size
+        results.check("prefix cache reused the first prompt's full blocks", cached >= whole - (
+            sizes.block_size), f"{cached} cached tokens of {whole}")
+        results.check("prefix cache hit counted",
+                      eng.snapshot().counters.prefix_cache_hits > hits_before, "no hit")
+        compare_greedy(results, "prefix second greedy", tokens.get(0, []),
+                       *ref.greedy(longer, sizes.new_tokens))
+
+
+def forks(results: Results, eng: Engine, ref: Reference, sizes: Sizes) -> None:
+    prompt = prompt_of(3 * sizes.block_size + 5, sizes.vocab, seed=21)  # a partial last block
+    tokens, finals = collect(eng.submit(
+        prompt_tokens=prompt, params=SamplingParams(temperature=0.0, n=3,
+                                                    max_tokens=sizes.new_tokens),
+        session_id="forks"))
+    if ended_well(results, "n=3 greedy", finals, n=3):
+        expected = ref.greedy(prompt, sizes.new_tokens)
+        for i in range(3):
+            compare_greedy(results, f"n=3 greedy sample {i}", tokens.get(i, []), *expected)
+    tokens, finals = collect(eng.submit(
+        prompt_tokens=prompt, params=SamplingParams(temperature=1.0, n=3, seed=7,
+                                                    max_tokens=2 * sizes.new_tokens),
+        session_id="forks-sampled"))
+    if ended_well(results, "n=3 sampled", finals, n=3):
+        distinct = {tuple(tokens.get(i, [])) for i in range(3)}
+        results.check("n=3 sampled samples differ (copy-on-write kept them apart)",
+                      len(distinct) > 1, "three identical samples at temperature 1")
+
+
+def stop_strings(results: Results, eng: Engine, ref: Reference, sizes: Sizes) -> None:
+    prompt = prompt_of(2 * sizes.block_size + 3, sizes.vocab, seed=31)
+    expected, _ = ref.greedy(prompt, sizes.new_tokens)
+    words = [eng.decode([t]).strip() for t in expected]
+    # A word that first appears after the reply's first token: the reply must end before it.
+    at = next((i for i in range(max(1, len(words) // 2), len(words))
+               if words[i] not in eng.decode(expected[:i])), None)
+    if at is None:
+        results.check("stop string: the reference reply has a word to stop at", False,
+                      f"{words}")
+        return
+    stop, before = words[at], eng.decode(expected[:at])
+    _, finals = collect(eng.submit(prompt_tokens=prompt, session_id="stop",
+                                   params=SamplingParams(temperature=0.0, stop=[stop],
+                                                         max_tokens=sizes.new_tokens)))
+    if ended_well(results, "stop string", finals):
+        final = finals[0]
+        results.check("stop string ends the reply with stop", final.finish_reason ==
+                      FinishReason.STOP, str(final.finish_reason))
+        results.check("stop string is not in the reply and the text before it is",
+                      stop not in final.text and final.text.strip() == before.strip(),
+                      f"{final.text!r} (stop {stop!r})")
+
+
+def preemption(results: Results, folder: Path, ref: Reference, sizes: Sizes) -> None:
+    bs = sizes.block_size
+    replies = 4
+    prompt_len, new = 6 * bs, 6 * bs
+    per_seq_blocks = (prompt_len + new) // bs + 1
+    num_blocks = per_seq_blocks * replies // 2 + 2  # room for about half the replies at once
+    kv = 2 * sizes.model["num_hidden_layers"] * sizes.model["num_key_value_heads"] * \
+        sizes.model["head_dim"] * 4 * bs
+    eng = start(folder, sizes, kv_memory_mib=num_blocks * kv / 2**20, prefill_target=0,
+                prefill_chunk=max(256, bs))
+    try:
+        prompts = [prompt_of(prompt_len, sizes.vocab, seed=40 + i) for i in range(replies)]
+        params = SamplingParams(temperature=0.0, max_tokens=new)
+        handles = [eng.submit(prompt_tokens=p, params=params, session_id=f"pre-{i}")
+                   for i, p in enumerate(prompts)]
+        for i, handle in enumerate(handles):
+            tokens, finals = collect(handle)
+            if ended_well(results, f"preemption reply {i}", finals):
+                compare_greedy(results, f"preemption reply {i} greedy", tokens.get(0, []),
+                               *ref.greedy(prompts[i], new))
+        results.check("preemption happened in the small pool",
+                      eng.snapshot().counters.preemptions > 0, "no preemption")
+    finally:
+        eng.stop()
+
+
+def cancel_mid_prefill(results: Results, eng: Engine, sizes: Sizes) -> None:
+    long = prompt_of(sizes.cancel_prompt, sizes.vocab, seed=51)
+    handle = eng.submit(prompt_tokens=long, session_id="cancel-me",
+                        params=SamplingParams(temperature=0.0, max_tokens=4))
+    started = threading.Event()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not handle.done:
+        snap = eng.snapshot()
+        stats = snap.sessions.get("cancel-me") if snap else None
+        if stats is not None and 0 < stats.prompt_tokens_done < stats.prompt_tokens_total:
+            started.set()
+            break
+        time.sleep(0.002)  # polling the engine's published snapshot, not synchronising on it
+    results.check("cancel: the long prompt was seen mid-prefill", started.is_set(),
+                  "the prefill ended before a snapshot showed it in progress")
+    handle.cancel()
+    _, finals = collect(handle)
+    results.check("cancel mid-prefill ends the request cancelled",
+                  finals and finals[0].finish_reason == FinishReason.CANCELLED,
+                  str(finals[0].finish_reason if finals else "no final"))
+    # The next request runs, and the cancelled one's blocks are free again afterwards.
+    _, after = collect(eng.submit(prompt_tokens=prompt_of(20, sizes.vocab, seed=52),
+                                  params=SamplingParams(temperature=0.0, max_tokens=2),
+                                  session_id="after-cancel"))
+    ended_well(results, "request after cancel", after)
+    snap = eng.snapshot()
+    results.check("cancelled request holds no block", "cancel-me" not in {
+        o for owners in snap.owners for o in owners}, "its session still owns blocks")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (the CPU, CI)")
+    parser.add_argument("--json", type=Path, help="write every check's outcome here")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    from engine.attention import kernel_path
+
+    modes = ["auto", "reference"] if kernel_path() else ["reference"]
+    results = Results()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_model_folder(Path(tmp) / "check-llama", sizes)
+        ref = Reference(folder)
+        print(f"gpu-check: {mx.default_device()}, mlx {mx.__version__}, attention paths "
+              f"{modes} ({kernel_path() or 'reference only'})", flush=True)
+        lengths_matrix(results, folder, ref, sizes, modes)
+        for mode in modes:
+            eng = start(folder, sizes, attention=mode, prefill_chunk=sizes.aux_chunk,
+                        prefill_target=0)
+            try:
+                prefix_cache(results, eng, ref, sizes)
+                forks(results, eng, ref, sizes)
+                stop_strings(results, eng, ref, sizes)
+                cancel_mid_prefill(results, eng, sizes)
+            finally:
+                eng.stop()
+        preemption(results, folder, ref, sizes)
+    elapsed = time.perf_counter() - t0
+    total = len(results.passed) + len(results.failed)
+    if args.json:
+        args.json.write_text(json.dumps(dict(vars(results), elapsed_s=elapsed), indent=1))
+    if results.tie_flips:
+        print(f"  near-tie flips (allowed): {results.tie_flips}")
+    where = f"{mx.default_device()}, {kernel_path() or 'reference'}, mlx {mx.__version__}"
+    if results.failed:
+        print(f"gpu-check: FAIL {len(results.failed)} of {total} checks ({where}, "
+              f"{elapsed:.0f} s): " + "; ".join(results.failed[:6]))
+        return 1
+    print(f"gpu-check: PASS {total} checks, {len(results.tie_flips)} near-tie flips "
+          f"({where}, {elapsed:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
