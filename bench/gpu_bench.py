@@ -450,75 +450,144 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+def paste_scenario(eng, prompts, repeats: int, short_tokens: int) -> dict:
+    """Chats streaming when a long paste arrives, then a short question 0.2 s later, on
+    ``eng``; the same scenario without the paste is the short chat's "alone"; the paste alone
+    runs on the idle engine. ``prompts(kind, index)`` gives fresh prompts ("stream", "paste",
+    "short", "alone"), so that no run reads another's blocks from the prefix cache."""
+    runs: dict[str, list] = {"with": [], "without": [], "paste_alone_s": []}
+    streams = prompts("streams", 0)
+    for r in range(repeats):
+        for with_paste in (True, False):
+            run = 2 * r + int(with_paste)
+            stream_handles = [
+                eng.submit(prompt_tokens=p, params=engine_params("app-sampling", 100000),
+                           session_id=f"stream-{i}")
+                for i, p in enumerate(prompts("streams", run))]
+            lines = [Timeline(h) for h in stream_handles]
+            for line in lines:
+                line.wait_tokens(24)
+            t_before = max(line.times[4] for line in lines)
+            t_paste = time.perf_counter()
+            paste_line = None
+            if with_paste:
+                paste_line = Timeline(eng.submit(
+                    prompt_tokens=prompts("paste", run), params=engine_params("app-sampling", 4),
+                    session_id="paste"))
+            time.sleep(0.2)  # the user types a short question while the paste is read
+            t_short = time.perf_counter()
+            short_line = Timeline(eng.submit(
+                prompt_tokens=prompts("short", run), params=engine_params("greedy", short_tokens),
+                session_id="short"))
+            short_line.thread.join()
+            if paste_line is not None:
+                paste_line.thread.join()
+            t_end = paste_line.times[0] if paste_line else short_line.times[-1]
+            for h in stream_handles:
+                h.cancel()
+            for line in lines:
+                line.thread.join()
+            before = [g for line in lines for g in line.gaps_ms(t_before, t_paste)]
+            during = [g for line in lines for g in line.gaps_ms(t_paste, t_end)]
+            st = short_line.times
+            runs["with" if with_paste else "without"].append(dict(
+                before_p50=percentile(before, 50), before_p99=percentile(before, 99),
+                during_p50=percentile(during, 50), during_p99=percentile(during, 99),
+                during_max=max(during) if during else float("nan"),
+                short_ttft_ms=1e3 * (st[0] - t_short),
+                short_decode_tps=(len(st) - 1) / (st[-1] - st[0]) if len(st) > 1 else 0.0,
+                paste_s=(paste_line.times[0] - t_paste) if paste_line else None))
+        t0 = time.perf_counter()  # the paste alone, on an idle engine
+        eng.submit(prompt_tokens=prompts("alone", r), params=engine_params("app-sampling", 1),
+                   session_id="alone").result()
+        runs["paste_alone_s"].append(time.perf_counter() - t0)
+    return dict(runs=runs, streams=len(streams), paste_len=len(prompts("paste", 0)),
+                short_len=len(prompts("short", 0)), short_tokens=short_tokens)
+
+
 def paste(shape: dict, streams: int, stream_prompt: int, paste_len: int, short_len: int,
           short_tokens: int, vocab: int, kv_mib: float, repeats: int) -> dict:
-    """Chats streaming when a long paste arrives (the app's engine defaults: 256-token chunks,
-    adaptive prefill budget), then a short question 0.2 s later; the same scenario without
-    the paste is the short chat's "alone"; the paste alone runs on an idle engine."""
+    """The long-paste scenario on a random-weight model, with the app's engine defaults
+    (256-token chunks, adaptive prefill budget)."""
     tokenizer = make_tokenizer(vocab)
     model = make_model(shape, mx.bfloat16, vocab)
     loaded = loaded_model(model, tokenizer, "random-paste", mx.bfloat16)
     eng = start_engine(loaded, max_batch=streams + 2, kv_mib=kv_mib, prefill_chunk=256)
-    runs: dict[str, list] = {"with": [], "without": [], "paste_alone_s": []}
-    short = prompts_for(1, short_len, vocab, seed=61)[0]
+    sizes = {"streams": (streams, stream_prompt), "paste": (1, paste_len),
+             "short": (1, short_len), "alone": (1, paste_len)}
+
+    def prompts(kind: str, run: int):
+        count, length = sizes[kind]
+        made = prompts_for(count, length, vocab, seed=1000 * (1 + list(sizes).index(kind)) + run)
+        return made if kind == "streams" else made[0]
+
     try:
         engine_generate(eng, prompts_for(streams, stream_prompt, vocab, seed=60), 8,
                         "app-sampling")  # warm-up
         engine_generate(eng, prompts_for(1, paste_len, vocab, seed=59), 2, "app-sampling")
-        for r in range(repeats):
-            for with_paste in (True, False):
-                stream_handles = [
-                    eng.submit(prompt_tokens=p, params=engine_params("app-sampling", 100000),
-                               session_id=f"stream-{i}")
-                    for i, p in enumerate(prompts_for(streams, stream_prompt, vocab,
-                                                      seed=100 + r))]
-                lines = [Timeline(h) for h in stream_handles]
-                for line in lines:
-                    line.wait_tokens(24)
-                t_before = max(line.times[4] for line in lines)
-                t_paste = time.perf_counter()
-                paste_line = None
-                if with_paste:
-                    paste_line = Timeline(eng.submit(
-                        prompt_tokens=prompts_for(1, paste_len, vocab, seed=200 + r)[0],
-                        params=engine_params("app-sampling", 4), session_id="paste"))
-                time.sleep(0.2)  # the user types a short question while the paste is read
-                t_short = time.perf_counter()
-                short_line = Timeline(eng.submit(
-                    prompt_tokens=short, params=engine_params("greedy", short_tokens),
-                    session_id="short"))
-                short_line.thread.join()
-                if paste_line is not None:
-                    paste_line.thread.join()
-                t_end = paste_line.times[0] if paste_line else short_line.times[-1]
-                for h in stream_handles:
-                    h.cancel()
-                for line in lines:
-                    line.thread.join()
-                before = [g for line in lines for g in line.gaps_ms(t_before, t_paste)]
-                during = [g for line in lines for g in line.gaps_ms(t_paste, t_end)]
-                st = short_line.times
-                runs["with" if with_paste else "without"].append(dict(
-                    before_p50=percentile(before, 50), before_p99=percentile(before, 99),
-                    during_p50=percentile(during, 50), during_p99=percentile(during, 99),
-                    during_max=max(during) if during else float("nan"),
-                    short_ttft_ms=1e3 * (st[0] - t_short),
-                    short_decode_tps=(len(st) - 1) / (st[-1] - st[0]) if len(st) > 1 else 0.0,
-                    paste_s=(paste_line.times[0] - t_paste) if paste_line else None))
-            t0 = time.perf_counter()  # the paste alone, on an idle engine
-            alone = eng.submit(prompt_tokens=prompts_for(1, paste_len, vocab, seed=300 + r)[0],
-                               params=engine_params("app-sampling", 1), session_id="alone")
-            alone.result()
-            runs["paste_alone_s"].append(time.perf_counter() - t0)
+        return paste_scenario(eng, prompts, repeats, short_tokens)
     finally:
         eng.stop()
-    del model, loaded
-    mx.clear_cache()
-    return dict(runs=runs, streams=streams, paste_len=paste_len, short_len=short_len,
-                short_tokens=short_tokens)
+        del model, loaded
+        mx.clear_cache()
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+#: The interactive-first issue's targets for the long paste: a streaming chat's gap p99
+#: during the paste over its p50 before, a short chat's first token during the paste over
+#: without it, its decode speed (at least), the paste's time over alone.
+GPU_PASTE_TARGETS = dict(gap=2.5, ttft=2.0, decode=0.5, paste=1.5)
+CPU_PASTE_TARGETS = dict(gap=2.5, ttft=3.0, decode=0.5, paste=2.5)
+
+
+def paste_report(p: dict, targets: dict) -> list[str]:
+    """Markdown rows of one paste_scenario result against ``targets``."""
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**not met**"
+
+    w, wo = p["runs"]["with"], p["runs"]["without"]
+
+    def med(rows, key):
+        return statistics.median(x[key] for x in rows)
+
+    def spread(rows, key, fmt="{:.1f}"):
+        values = [x[key] for x in rows]
+        return (fmt.format(statistics.median(values)) + " (" + fmt.format(min(values))
+                + "-" + fmt.format(max(values)) + ")")
+
+    before_p50 = med(w, "before_p50")
+    ttft = med(w, "short_ttft_ms") / med(wo, "short_ttft_ms")
+    decode = med(w, "short_decode_tps") / med(wo, "short_decode_tps")
+    paste_ratio = med(w, "paste_s") / statistics.median(p["runs"]["paste_alone_s"])
+    gap = med(w, "during_p99") / before_p50
+    lines = [f"{p['streams']} chats streaming (app sampling) when a {p['paste_len']}-token "
+             f"paste arrives; a {p['short_len']}-token question 0.2 s later "
+              f"({p['short_tokens']} greedy tokens). Median (min-max) over repeats.", "",
+              "| measure | value | target (interactive-first issue) | verdict |",
+              "| --- | --- | --- | --- |",
+              f"| streaming gaps before the paste, p50 / p99 ms | "
+              f"{spread(w, 'before_p50')} / {spread(w, 'before_p99')} | | |",
+              f"| streaming gaps during the paste, p50 / p99 / max ms | "
+              f"{spread(w, 'during_p50')} / {spread(w, 'during_p99')} / "
+              f"{spread(w, 'during_max')} | p99 <= {targets['gap']}x p50 before ({gap:.2f}x) | "
+              f"{verdict(gap <= targets['gap'])} |",
+              f"| short chat's first token, ms: during the paste / without it | "
+              f"{spread(w, 'short_ttft_ms')} / {spread(wo, 'short_ttft_ms')} | "
+              f"<= {targets['ttft']}x "
+              f"({ttft:.2f}x) | {verdict(ttft <= targets['ttft'])} |",
+              f"| short chat's decode, tok/s: during / without | "
+              f"{spread(w, 'short_decode_tps')} / {spread(wo, 'short_decode_tps')} | "
+              f">= {targets['decode']}x ({decode:.2f}x) | "
+              f"{verdict(decode >= targets['decode'])} |",
+              f"| the paste's time to first token, s: among the chats / alone | "
+              f"{spread(w, 'paste_s', '{:.2f}')} / "
+              f"{statistics.median(p['runs']['paste_alone_s']):.2f} | "
+              f"<= {targets['paste']}x "
+              f"({paste_ratio:.2f}x) | {verdict(paste_ratio <= targets['paste'])} |"]
+    return lines
 
 
 def report(results: dict) -> str:
@@ -595,45 +664,10 @@ def report(results: dict) -> str:
                   f"(parts) | {m['within']:.2f}x |"]
     p = results.get("paste")
     if p:
-        w, wo = p["runs"]["with"], p["runs"]["without"]
-
-        def med(rows, key):
-            return statistics.median(x[key] for x in rows)
-
-        def spread(rows, key, fmt="{:.1f}"):
-            values = [x[key] for x in rows]
-            return (fmt.format(statistics.median(values)) + " (" + fmt.format(min(values))
-                    + "-" + fmt.format(max(values)) + ")")
-
-        before_p50 = med(w, "before_p50")
-        ttft = med(w, "short_ttft_ms") / med(wo, "short_ttft_ms")
-        decode = med(w, "short_decode_tps") / med(wo, "short_decode_tps")
-        paste_ratio = med(w, "paste_s") / statistics.median(p["runs"]["paste_alone_s"])
-        gap = med(w, "during_p99") / before_p50
         lines += ["", f"## Long paste (bf16, 1B shape, the app's engine defaults: 256-token "
-                  f"chunks, adaptive prefill budget; {len(w)} repeats with and without the "
-                  f"paste, interleaved)", "",
-                  f"{p['streams']} chats streaming (app sampling) when a {p['paste_len']}-token "
-                  f"paste arrives; a {p['short_len']}-token question 0.2 s later "
-                  f"({p['short_tokens']} greedy tokens). Median (min-max) over repeats.", "",
-                  "| measure | value | target (interactive-first issue) | verdict |",
-                  "| --- | --- | --- | --- |",
-                  f"| streaming gaps before the paste, p50 / p99 ms | "
-                  f"{spread(w, 'before_p50')} / {spread(w, 'before_p99')} | | |",
-                  f"| streaming gaps during the paste, p50 / p99 / max ms | "
-                  f"{spread(w, 'during_p50')} / {spread(w, 'during_p99')} / "
-                  f"{spread(w, 'during_max')} | p99 <= 2.5x p50 before ({gap:.2f}x) | "
-                  f"{verdict(gap <= 2.5)} |",
-                  f"| short chat's first token, ms: during the paste / without it | "
-                  f"{spread(w, 'short_ttft_ms')} / {spread(wo, 'short_ttft_ms')} | <= 2x "
-                  f"({ttft:.2f}x) | {verdict(ttft <= 2)} |",
-                  f"| short chat's decode, tok/s: during / without | "
-                  f"{spread(w, 'short_decode_tps')} / {spread(wo, 'short_decode_tps')} | "
-                  f">= 0.5x ({decode:.2f}x) | {verdict(decode >= 0.5)} |",
-                  f"| the paste's time to first token, s: among the chats / alone | "
-                  f"{spread(w, 'paste_s', '{:.2f}')} / "
-                  f"{statistics.median(p['runs']['paste_alone_s']):.2f} | <= 1.5x "
-                  f"({paste_ratio:.2f}x) | {verdict(paste_ratio <= 1.5)} |"]
+                  f"chunks, adaptive prefill budget; {len(p['runs']['with'])} repeats with and "
+                  f"without the paste, interleaved)", ""]
+        lines += paste_report(p, GPU_PASTE_TARGETS)
     return "\n".join(lines) + "\n"
 
 
