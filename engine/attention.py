@@ -111,12 +111,17 @@ def paged_prefill(
     context_len: int,
     scale: float,
     use_kernel: bool,
+    block_tables: mx.array | None = None,
+    context_lens: mx.array | None = None,
 ) -> mx.array:
     """A prefill chunk (``reference_prefill``'s arguments): the CUDA kernel, reading earlier
     blocks through the block table, when ``use_kernel`` on the CUDA backend; else the
-    reference path (Metal has no prefill kernel yet)."""
+    reference path (Metal has no prefill kernel yet). ``block_tables`` ([1, nb]) and
+    ``context_lens`` ([1]) are the kernel's forms of the table and the length, when the
+    caller built them once for every layer (engine/model_adapter.py)."""
     if use_kernel and mx.cuda.is_available():
         from engine.cuda_kernels import paged_prefill_cuda
 
-        return paged_prefill_cuda(q, k_pool, v_pool, block_table, context_len, scale)
+        return paged_prefill_cuda(q, k_pool, v_pool, block_table, context_len, scale,
+                                  block_tables=block_tables, context_lens=context_lens)
     return reference_prefill(q, k_pool, v_pool, block_table, context_len, scale)

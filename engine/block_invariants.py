@@ -49,3 +49,44 @@ def check_invariants(alloc: BlockAllocator, tables: Iterable[BlockTable]) -> Non
             assert alloc.is_cached(block), f"evictable block {block} has no hash"
     full = [b for b in range(alloc.num_blocks) if alloc.fill(b) == bs]
     alloc.prefix_index.check_invariants(pending, full)
+    check_snapshot_state(alloc, tables)
+
+
+def check_snapshot_state(alloc: BlockAllocator, tables: Iterable[BlockTable]) -> None:
+    """Raise AssertionError unless the state the allocator keeps incrementally for
+    snapshots (``block_state`` and ``owner_usage``) equals a recomputation from scratch
+    out of ``tables``: the owners, fills, cached flags and visible tokens of every block,
+    and each owner's blocks held, shared and empty slots, summed the way the snapshot
+    used to sum them, block by block."""
+    tables = list(tables)
+    bs = alloc.block_size
+    n = alloc.num_blocks
+    owners, refcounts, fills, cached, tokens = alloc.block_state()
+    holders: list[dict[str, None]] = [{} for _ in range(n)]
+    expect_fill = [0] * n
+    expect_tokens: list[tuple[int, ...]] = [()] * n
+    held: dict[str, set[int]] = {}
+    for t in tables:
+        for i, block in enumerate(t.blocks):
+            holders[block][t.owner] = None
+            content = t.tokens[i * bs : (i + 1) * bs]
+            expect_fill[block] = len(content)
+            expect_tokens[block] = tuple(x for x in content if x != PENDING)
+            held.setdefault(t.owner, set()).add(block)
+    for block in range(n):
+        assert set(owners[block]) == set(holders[block]), f"block {block} owners are stale"
+        assert len(owners[block]) == len(holders[block]), f"block {block} lists an owner twice"
+        assert refcounts[block] == alloc.refcount(block)
+        assert cached[block] == alloc.is_cached(block), f"block {block} cached flag is stale"
+        if refcounts[block]:
+            assert fills[block] == expect_fill[block], f"block {block} fill is stale"
+            assert tokens[block] == expect_tokens[block], f"block {block} tokens are stale"
+        elif cached[block]:  # evictable: full, its tokens kept for a later prompt
+            assert fills[block] == bs and len(tokens[block]) == bs
+        else:
+            assert fills[block] == 0 and tokens[block] == (), f"free block {block} not empty"
+    for owner, blocks in held.items():
+        expect = (len(blocks), sum(1 for b in blocks if refcounts[b] > 1),
+                  sum(bs - fills[b] for b in blocks))
+        assert alloc.owner_usage(owner) == expect, f"{owner}'s usage is stale"
+    assert set(alloc.owners_with_blocks()) == set(held), "an owner without blocks is kept"

@@ -37,6 +37,10 @@ class BlockAllocator:
         self._tokens: list[tuple[int, ...]] = [()] * num_blocks
         self._holders: list[dict[str, int]] = [{} for _ in range(num_blocks)]
         self._owners: list[tuple[str, ...]] = [()] * num_blocks
+        #: Per owner (session id): [blocks held, of those shared, empty slots in them], kept
+        #: as blocks change hands and fill up, so a snapshot reads a chat's numbers instead of
+        #: walking its blocks (docs/ARCHITECTURE.md §3.8).
+        self._usage: dict[str, list[int]] = {}
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.prefix_index = PrefixIndex(num_blocks)  # named and pending full blocks, by hash
@@ -147,6 +151,8 @@ class BlockAllocator:
                 slots.append((block, offset + i))
             self._tokens[block] = self._tokens[block] + piece
             self._fill[block] = offset + take
+            # The block is this table's alone (a fresh block, or copied on write above).
+            self._usage[table.owner][2] -= take
             table.tokens.extend(piece)
             pos += take
         if PENDING in piece:
@@ -233,17 +239,35 @@ class BlockAllocator:
         return self._tokens[block]
 
     def block_state(self) -> tuple[tuple, tuple, tuple, tuple, tuple]:
-        """Per-block owners, refcounts, fills, cached flags and tokens, as tuples (cheap)."""
+        """Per-block owners, refcounts, fills, cached flags and tokens, as tuples.
+
+        Every list behind them is kept up to date by the operations that change a block, so
+        this is five C-level copies (about 10 us each at 16k blocks), never a Python loop
+        over the pool: only the few blocks holding a PENDING token are rewritten, so the
+        snapshot never shows a token that is not known yet."""
+        tokens = self._tokens
+        if self._unresolved:
+            tokens = list(tokens)
+            for b in self._unresolved:
+                tokens[b] = tuple(t for t in tokens[b] if t != PENDING)
         return (
             tuple(self._owners),
             tuple(self._refcount),
             tuple(self._fill),
             self.prefix_index.named_flags(),
-            tuple(self._tokens) if not self._unresolved else tuple(
-                tuple(t for t in tokens if t != PENDING) if b in self._unresolved else tokens
-                for b, tokens in enumerate(self._tokens)
-            ),
+            tuple(tokens),
         )
+
+    def owner_usage(self, owner: str) -> tuple[int, int, int]:
+        """Blocks ``owner``'s tables hold (each counted once), how many of those are shared
+        (refcount > 1), and their slots holding no token: kept as blocks change, read by
+        the snapshot per chat."""
+        usage = self._usage.get(owner)
+        return (usage[0], usage[1], usage[2]) if usage is not None else (0, 0, 0)
+
+    def owners_with_blocks(self) -> list[str]:
+        """The owners holding at least one block (engine/block_invariants.py checks them)."""
+        return list(self._usage)
 
     def free_and_evictable(self) -> tuple[list[int], list[int]]:
         """The free list and the evictable LRU, oldest first (engine/block_invariants.py)."""
@@ -273,20 +297,43 @@ class BlockAllocator:
         return copy
 
     def _hold(self, block: int, owner: str) -> None:
-        self._refcount[block] += 1
+        refs = self._refcount[block] = self._refcount[block] + 1
         holders = self._holders[block]
-        holders[owner] = holders.get(owner, 0) + 1
-        if holders[owner] == 1:
+        held = holders.get(owner, 0)
+        holders[owner] = held + 1
+        usage = self._usage
+        if not held:  # a new owner of this block
             self._owners[block] = tuple(holders)
+            mine = usage.get(owner)
+            if mine is None:
+                mine = usage[owner] = [0, 0, 0]
+            mine[0] += 1
+            mine[2] += self.block_size - self._fill[block]
+            if refs > 2:  # already shared: shared for the newcomer too
+                mine[1] += 1
+        if refs == 2:  # it just became shared, for every owner (the newcomer included)
+            for o in holders:
+                usage[o][1] += 1
 
     def _release(self, block: int, owner: str) -> None:
-        self._refcount[block] -= 1
+        refs = self._refcount[block] = self._refcount[block] - 1
         holders = self._holders[block]
+        usage = self._usage
+        if refs == 1:  # no longer shared, for every owner (the leaving one included)
+            for o in holders:
+                usage[o][1] -= 1
         holders[owner] -= 1
         if not holders[owner]:
             del holders[owner]
             self._owners[block] = tuple(holders)
-        if self._refcount[block] == 0:
+            mine = usage[owner]
+            mine[0] -= 1
+            mine[2] -= self.block_size - self._fill[block]
+            if refs > 1:  # still shared by others: no longer counted for this owner
+                mine[1] -= 1
+            if not mine[0]:
+                del usage[owner]
+        if refs == 0:
             if self.prefix_index.is_named(block):
                 self._evictable[block] = None  # most recently used at the end
             else:

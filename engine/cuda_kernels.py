@@ -25,9 +25,11 @@ from engine.kernel_plans import (
     KernelSet,
     KernelSource,
     Launch,
+    PlanCache,
     as_int32,
     checked_call,
     partitions_for,
+    plan_key,
     reduce_launch,
     shaders_root,
     workers_for,
@@ -162,17 +164,8 @@ def plan_attention(
     return [attend, reduce]
 
 
-@dataclass(frozen=True)
-class _CachedLaunch:
-    kernel: object  # the mx.fast.cuda_kernel
-    template: list
-    grid: tuple[int, int, int]
-    threadgroup: tuple[int, int, int]
-    output_shapes: list
-    output_dtypes: list
-
-
-_plan_cache: dict[tuple, list[_CachedLaunch]] = {}
+#: Plans by shape, bounded (engine/kernel_plans.py ``PlanCache``).
+PLANS = PlanCache(KERNELS)
 
 
 def _attend(
@@ -184,34 +177,11 @@ def _attend(
     scale: float,
 ) -> mx.array:
     """Run the plan for these shapes. The plan (validation, geometry, kernel objects) is built
-    once per shape family; later calls only pass arrays: an engine step calls this once per
-    layer, so its Python cost is paid tens of times per token."""
-    block_tables, context_lens = as_int32(block_tables), as_int32(context_lens)
-    key = (q.shape, q.dtype, k_pool.shape, k_pool.dtype, v_pool.shape, v_pool.dtype,
-           block_tables.shape, context_lens.shape)
-    cached = _plan_cache.get(key)
-    if cached is None:
-        plan = plan_attention(q, k_pool, v_pool, block_tables, context_lens, scale)
-        cached = [
-            _CachedLaunch(KERNELS.get(x.kernel), list(x.template), x.grid, x.threadgroup,
-                          [list(o) for o in x.output_shapes], list(x.output_dtypes))
-            for x in plan
-        ]
-        _plan_cache[key] = cached
-    first = cached[0]
-    outs = first.kernel(
-        inputs=[q, k_pool, v_pool, block_tables, context_lens, _scale_array(float(scale))],
-        template=first.template, grid=first.grid, threadgroup=first.threadgroup,
-        output_shapes=first.output_shapes, output_dtypes=first.output_dtypes,
-    )
-    if len(cached) == 1:
-        return outs[0]
-    second = cached[1]
-    return second.kernel(
-        inputs=[outs[0], outs[1], context_lens],
-        template=second.template, grid=second.grid, threadgroup=second.threadgroup,
-        output_shapes=second.output_shapes, output_dtypes=second.output_dtypes,
-    )[0]
+    once per shape family and kept in ``PLANS``; later calls only pass arrays: an engine step
+    calls this once per layer, so its Python cost is paid tens of times per token."""
+    args = (q, k_pool, v_pool, as_int32(block_tables), as_int32(context_lens),
+            _scale_array(float(scale)))
+    return PLANS.run(plan_key(*args[:5]), args, lambda: plan_attention(*args[:5], scale))
 
 
 def paged_decode_cuda(
@@ -233,7 +203,15 @@ def paged_prefill_cuda(
     block_table: mx.array,
     context_len: int,
     scale: float,
+    block_tables: mx.array | None = None,
+    context_lens: mx.array | None = None,
 ) -> mx.array:
-    """``engine.attention.reference_prefill`` on the CUDA kernel: q [1, H, L, D] -> same."""
-    lens = mx.array([context_len], dtype=mx.int32)
-    return _attend(q, k_pool, v_pool, block_table.reshape(1, -1), lens, scale)
+    """``engine.attention.reference_prefill`` on the CUDA kernel: q [1, H, L, D] -> same.
+
+    ``block_tables`` [1, nb] and ``context_lens`` [1] are the table and the length as the
+    kernel takes them; the model adapter builds them once per step (else once per layer)."""
+    if block_tables is None:
+        block_tables = block_table.reshape(1, -1)
+    if context_lens is None:
+        context_lens = mx.array([context_len], dtype=mx.int32)
+    return _attend(q, k_pool, v_pool, block_tables, context_lens, scale)

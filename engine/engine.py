@@ -173,8 +173,12 @@ class Engine:
     # ---- queries (any thread) ---------------------------------------------------------------
 
     def snapshot(self) -> PoolSnapshot | None:
-        """The latest pool snapshot (immutable; None until the model is loaded)."""
-        return self.telemetry.snapshot
+        """The latest pool snapshot (immutable; None until the model is loaded).
+
+        Never waits: asking is what makes the engine thread build the next one, between
+        steps and at most every ``telemetry.SNAPSHOT_INTERVAL_S`` (engine/telemetry.py),
+        so nobody pays for snapshots nobody reads."""
+        return self.telemetry.read()
 
     def count_tokens(self, messages: Seq[dict]) -> int:
         """Prompt tokens of ``messages`` after the chat template (0 before the model loads)."""
@@ -250,6 +254,8 @@ class Engine:
         self._publish(force=True)
 
     def _publish(self, force: bool = False) -> None:
+        """A snapshot if one was asked for (rate-limited), or ``force``: the engine going
+        idle always publishes, so the state it rests in is the one shown."""
         rt = self.runtime
         info = rt.model_info
         self.telemetry.maybe_snapshot(

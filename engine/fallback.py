@@ -51,6 +51,9 @@ class NoPool:
     def block_state(self) -> tuple[tuple, tuple, tuple, tuple, tuple]:
         return (), (), (), (), ()
 
+    def owner_usage(self, owner: str) -> tuple[int, int, int]:
+        return 0, 0, 0
+
 
 class FallbackScheduler:
     """Which sequences wait for the BatchGenerator and which run in it (by its uid).

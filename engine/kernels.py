@@ -26,8 +26,11 @@ from engine.kernel_plans import (
     KernelSet,
     KernelSource,
     Launch,
+    PlanCache,
+    as_int32,
     checked_call,
     partitions_for,
+    plan_key,
     reduce_launch,
     shaders_root,
     workers_for,
@@ -41,6 +44,9 @@ TG_MEMORY_BUDGET = 16384  # bytes of threadgroup memory for the cross-simdgroup 
 
 #: The Metal kernels (``mx.fast.metal_kernel``) of the shader file.
 KERNELS = KernelSet("metal_kernel", SHADER_PATH, "paged_decode", "paged_decode_reduce", "shader")
+#: Plans by shape, bounded (engine/kernel_plans.py ``PlanCache``): planned once per shape,
+#: not on every layer of every step.
+PLANS = PlanCache(KERNELS)
 
 
 @dataclass(frozen=True)
@@ -148,5 +154,6 @@ def paged_decode_kernel(
     scale: float,
 ) -> mx.array:
     """``engine.attention.reference_decode`` on the Metal kernel: [B, H, 1, D]."""
-    plan = plan_decode(q, k_pool, v_pool, block_tables, context_lens, scale)
-    return KERNELS.run(plan)[-1][0]
+    args = (q, k_pool, v_pool, as_int32(block_tables), as_int32(context_lens),
+            _scale_array(float(scale)))
+    return PLANS.run(plan_key(*args[:5]), args, lambda: plan_decode(*args[:5], scale))

@@ -5,6 +5,11 @@ so block ``b`` names the same slot range in every layer. MLX scatters in place o
 pool array is the sole reference to its buffer, so each layer's array is held here and
 nowhere else, and rebound after every write; otherwise each step would silently copy the
 whole pool.
+
+The arrays hold one block more than ``num_blocks``: the last, ``SCRATCH_BLOCK``, is never
+handed out by the allocator. A step whose shapes are padded to a bucket
+(engine/model_adapter.py) writes its padding rows' K/V there, so a padding row never
+touches a block any sequence holds.
 """
 
 from __future__ import annotations
@@ -12,6 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+#: The scratch block padding rows write to: the pool arrays' last block, one past the
+#: allocator's ``num_blocks`` (MLX indexes from the end with a negative index, on every
+#: backend). Never read by a real row: no block table names it.
+SCRATCH_BLOCK = -1
 
 
 @dataclass(frozen=True)
@@ -32,7 +42,7 @@ class KVPool:
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        dims = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        dims = (num_blocks + 1, block_size, shape.num_kv_heads, shape.head_dim)  # + scratch
         self.keys = [mx.zeros(dims, dtype=shape.dtype) for _ in range(shape.num_layers)]
         self.values = [mx.zeros(dims, dtype=shape.dtype) for _ in range(shape.num_layers)]
         mx.eval(self.keys, self.values)
@@ -43,6 +53,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
+        """The bytes of the blocks sequences can hold (the scratch block not counted)."""
         return self.bytes_per_block * self.num_blocks
 
     def write(

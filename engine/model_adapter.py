@@ -16,6 +16,15 @@ Hooks into mlx-lm, all by its own extension points:
 * the final norm is wrapped so only the rows whose logits are needed reach the LM head (a
   prefill chunk needs one row of logits, not one per token).
 
+Shapes are bucketed (``BUCKET_SHAPES``): the decode rows are padded to ``bucket(n)`` rows, the
+block tables to ``bucket(width)`` columns and the LM head's rows to ``bucket(rows)``, so a
+steady decode repeats the same shapes from step to step and MLX's CUDA backend reuses its
+graphs (it keys them by topology) and the kernels reuse their plans, instead of paying
+graph instantiation again whenever the batch or the longest table (every ``block_size``
+tokens) changed. A padding row is inert: it feeds token 0 at position 0, writes its K/V to
+the pool's scratch block (``kv_pool.SCRATCH_BLOCK``, which no table names), attends to one
+slot, and its output is dropped.
+
 Which architectures may use these hooks, and the check at load for the others, live in
 engine/architecture.py.
 """
@@ -30,16 +39,34 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine import attention
-from engine.kv_pool import KVPool
+from engine.kv_pool import SCRATCH_BLOCK, KVPool
 from engine.work import SequenceWork
+
+#: Pad the step's shapes to buckets (see the module docstring). Off only to compare
+#: against the exact shapes (tests).
+BUCKET_SHAPES = True
+
+
+def bucket(n: int) -> int:
+    """``n`` rounded up to the next of 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... (the powers of
+    two and 1.5 times them): at most 1.5x the work, and about two buckets per doubling, so
+    a batch or a table growing to ``n`` passes through O(log n) shapes."""
+    if n <= 2:
+        return n
+    up = 1 << (n - 1).bit_length()
+    return up * 3 // 4 if n <= up * 3 // 4 else up
 
 
 @dataclass(frozen=True)
 class PrefillChunk:
     row_start: int
     length: int
-    block_table: mx.array  # int32 [nb]
+    block_table: mx.array  # int32 [nb]: the sequence's blocks, padded to a bucket with 0s
     context_len: int
+    #: The same table as [1, nb] and the context length as int32 [1], built once per step
+    #: for the kernel instead of once per layer.
+    block_tables: mx.array | None = None
+    context_lens: mx.array | None = None
 
 
 @dataclass(frozen=True)
@@ -50,64 +77,90 @@ class StepBatch:
     positions: mx.array  # [T]
     write_blocks: mx.array  # [T]
     write_offsets: mx.array  # [T]
-    num_decode: int  # rows [0, num_decode) are one-token decodes
+    num_decode: int  # rows [0, num_decode) are one-token decodes (padding rows included)
     decode_tables: mx.array | None  # [num_decode, max_blocks]
     decode_lens: mx.array | None  # [num_decode]
     prefills: tuple[PrefillChunk, ...]
-    logit_rows: mx.array | None  # rows whose logits are returned, in work order (None: none)
-    logit_owners: tuple[int, ...]  # index into the work list for each logit row
+    #: Rows that reach the LM head, in layout order (None: none): the rows whose logits are
+    #: returned, then repeats of the last of them up to a bucket (dropped after the head).
+    logit_rows: mx.array | None
+    logit_owners: tuple[int, ...]  # index into the work list for each returned logit row
     work_rows: tuple[int, ...] = ()  # the first row of each work, in work order
+    padding: int = 0  # padding rows, after the real decode rows
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits ``PagedModel.forward`` returns (one per ``logit_owners``)."""
+        return len(self.logit_owners)
 
 
-def build_step_batch(work: Sequence[SequenceWork]) -> StepBatch:
-    """Lay out a step: one-token works first (one batched decode attention), then chunks."""
-    order = sorted(range(len(work)), key=lambda i: len(work[i].tokens) != 1)
+def build_step_batch(work: Sequence[SequenceWork], bucketed: bool | None = None) -> StepBatch:
+    """Lay out a step: one-token works first (one batched decode attention), padding rows up
+    to a bucket, then chunks. ``bucketed`` (default ``BUCKET_SHAPES``) pads the shapes."""
+    fit = bucket if (BUCKET_SHAPES if bucketed is None else bucketed) else _exact
+    decodes = [i for i, w in enumerate(work) if len(w.tokens) == 1]
+    chunks = [i for i, w in enumerate(work) if len(w.tokens) != 1]
     tokens: list[int] = []
     positions: list[int] = []
     blocks: list[int] = []
     offsets: list[int] = []
-    decode_rows: list[int] = []
     prefills: list[PrefillChunk] = []
     logit_rows: list[int] = []
     logit_owners: list[int] = []
     work_rows = [0] * len(work)
-    for i in order:
+
+    def place(i: int) -> int:
         w = work[i]
         if len(w.slots) != len(w.tokens):
             raise ValueError("every fed token needs a slot")
-        row = len(tokens)
-        work_rows[i] = row
+        row = work_rows[i] = len(tokens)
         tokens.extend(w.tokens)
         positions.extend(range(w.start, w.start + len(w.tokens)))
         for b, o in w.slots:
             blocks.append(b)
             offsets.append(o)
-        if len(w.tokens) == 1:
-            decode_rows.append(i)
-        else:
-            prefills.append(
-                PrefillChunk(
-                    row_start=row,
-                    length=len(w.tokens),
-                    block_table=mx.array(list(w.blocks), dtype=mx.int32),
-                    context_len=w.start + len(w.tokens),
-                )
-            )
         if w.want_logits:
             logit_rows.append(row + len(w.tokens) - 1)
             logit_owners.append(i)
+        return row
+
+    for i in decodes:
+        place(i)
+    padding = fit(len(decodes)) - len(decodes)
+    tokens.extend([0] * padding)  # token 0 at position 0, its K/V to the scratch block
+    positions.extend([0] * padding)
+    blocks.extend([SCRATCH_BLOCK] * padding)
+    offsets.extend([0] * padding)
+    for i in chunks:
+        w = work[i]
+        row = place(i)
+        width = fit(len(w.blocks))
+        table = mx.array(list(w.blocks) + [0] * (width - len(w.blocks)), dtype=mx.int32)
+        context_len = w.start + len(w.tokens)
+        prefills.append(PrefillChunk(
+            row_start=row, length=len(w.tokens), block_table=table, context_len=context_len,
+            block_tables=table.reshape(1, width),
+            context_lens=mx.array([context_len], dtype=mx.int32),
+        ))
     decode_tables = decode_lens = None
-    if decode_rows:
-        width = max(len(work[i].blocks) for i in decode_rows)
-        table = [list(work[i].blocks) + [0] * (width - len(work[i].blocks)) for i in decode_rows]
+    if decodes:
+        width = fit(max(len(work[i].blocks) for i in decodes))
+        table = [list(work[i].blocks) + [0] * (width - len(work[i].blocks)) for i in decodes]
+        lens = [work[i].start + 1 for i in decodes]
+        # Padding rows read one slot of block 0 (their output is dropped): in bounds for
+        # every kernel, which the scratch block's negative id would not be.
+        table.extend([[0] * width] * padding)
+        lens.extend([1] * padding)
         decode_tables = mx.array(table, dtype=mx.int32)
-        decode_lens = mx.array([work[i].start + 1 for i in decode_rows], dtype=mx.int32)
+        decode_lens = mx.array(lens, dtype=mx.int32)
+    if logit_rows:  # the LM head on a bucket of rows; the repeats are dropped after it
+        logit_rows.extend([logit_rows[-1]] * (fit(len(logit_rows)) - len(logit_rows)))
     return StepBatch(
         tokens=mx.array(tokens, dtype=mx.int32)[:, None],
         positions=mx.array(positions, dtype=mx.int32),
         write_blocks=mx.array(blocks, dtype=mx.int32),
         write_offsets=mx.array(offsets, dtype=mx.int32),
-        num_decode=len(decode_rows),
+        num_decode=len(decodes) + padding,
         decode_tables=decode_tables,
         decode_lens=decode_lens,
         prefills=tuple(prefills),
@@ -115,7 +168,12 @@ def build_step_batch(work: Sequence[SequenceWork]) -> StepBatch:
         logit_rows=mx.array(logit_rows, dtype=mx.int32) if logit_rows else None,
         logit_owners=tuple(logit_owners),
         work_rows=tuple(work_rows),
+        padding=padding,
     )
+
+
+def _exact(n: int) -> int:
+    return n
 
 
 class PagedLayerCache:
@@ -178,6 +236,7 @@ class PagedLayerCache:
             out = attention.paged_prefill(
                 q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale,
                 use_kernel=self._kernel_fits(queries.shape[1]),
+                block_tables=chunk.block_tables, context_lens=chunk.context_lens,
             )
             parts.append(mx.swapaxes(out, 0, 2))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
@@ -244,7 +303,7 @@ class PagedModel:
             self._row_norm = inner.norm
 
     def forward(self, batch: StepBatch) -> mx.array | None:
-        """Run the step; returns logits [len(batch.logit_rows), vocab] (lazy), or None when
+        """Run the step; returns logits [batch.num_logits, vocab] (lazy), or None when
         no row wants logits (a prompt chunk that is not its prompt's last).
 
         Without logits the caller evaluates :meth:`written` instead: the pool writes are
@@ -268,6 +327,8 @@ class PagedModel:
             return None
         if self._row_norm is None:
             logits = logits[rows]
+        if rows.shape[0] != batch.num_logits:  # drop the bucket's repeated rows
+            logits = logits[: batch.num_logits]
         return logits[:, -1, :]
 
     def written(self) -> list[mx.array]:

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 class PrefixIndex:
     def __init__(self, num_blocks: int) -> None:
         self._hash: list[int | None] = [None] * num_blocks
+        self._named: list[bool] = [False] * num_blocks  # kept with _hash: the snapshot's flags
         self._by_hash: dict[int, int] = {}
         self._pending: Counter[int] = Counter()
 
@@ -38,15 +39,19 @@ class PrefixIndex:
         """Name ``block`` by ``h`` unless it or that content is named already."""
         if self._hash[block] is None and h not in self._by_hash:
             self._hash[block] = h
+            self._named[block] = True
             self._by_hash[h] = block
 
     def drop(self, block: int) -> None:
         """Forget ``block``'s name (it is being reused for other content)."""
         del self._by_hash[self._hash[block]]
         self._hash[block] = None
+        self._named[block] = False
 
     def named_flags(self) -> tuple[bool, ...]:
-        return tuple(h is not None for h in self._hash)
+        """Which blocks are named, one flag per block: a copy of a list kept as names come
+        and go (a snapshot must not walk the pool in Python)."""
+        return tuple(self._named)
 
     # ---- pending hashes -----------------------------------------------------------------
 
@@ -72,6 +77,7 @@ class PrefixIndex:
         assert len({self._hash[b] for b in hashed}) == len(hashed), "two blocks share a hash"
         assert all(self._by_hash[self._hash[b]] == b for b in hashed), "hash index is stale"
         assert len(self._by_hash) == len(hashed), "hash index holds dropped blocks"
+        assert self._named == [h is not None for h in self._hash], "named flags are stale"
         full = set(full)
         for block in hashed:
             assert block in full, f"cached block {block} is not full"

@@ -1,14 +1,19 @@
 """Rates and pool snapshots: what the engine thread publishes for monitors to read.
 
-Kept apart from the step so that measuring never changes what a step does; a snapshot is
-built at most every ``SNAPSHOT_INTERVAL_S`` (and when the engine goes idle), from the
-allocator's cheap per-block tuples.
+Kept off the step (docs/ARCHITECTURE.md §3.8). Per token the engine makes a handful of
+attribute writes (:meth:`Telemetry.token`); per step it updates a few averages. A snapshot
+is built only when someone has asked for one (:meth:`Telemetry.read`), at most every
+``SNAPSHOT_INTERVAL_S``, between steps, plus once whenever the engine goes idle so the
+last state is always shown; it copies state the allocator keeps up to date as blocks
+change (``BlockAllocator.block_state`` / ``owner_usage``) and never walks the pool in
+Python. Rates count tokens in time buckets (:class:`TokenRates`), so reading one sums a few
+buckets, not every token of the window.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -17,8 +22,14 @@ from engine.events import Counters, PoolSnapshot, SequenceState, SessionStats
 from engine.scheduler import Scheduler
 from engine.sequence import Request
 
-SNAPSHOT_INTERVAL_S = 0.05
+#: Snapshots are built at most this often (a few per second; the app polls at 10 Hz), and
+#: only while someone reads them.
+SNAPSHOT_INTERVAL_S = 0.2
 RATE_WINDOW_S = 2.0
+#: Rates count tokens in buckets of at least this long (closed between steps).
+RATE_BUCKET_S = 0.25
+#: The shortest span a rate divides by: one token just now is not a rate of thousands.
+MIN_RATE_SPAN_S = 0.25
 #: Chats with nothing running that a snapshot still lists (the most recently active ones);
 #: chats with a live request are always listed. Without a bound, every session id ever
 #: seen stayed, and building a snapshot grew to 135 ms after 20,000 one-off sessions.
@@ -51,39 +62,95 @@ class StepTimes:
     bookkeeping: float = 0.0
 
 
-class Rate:
-    """Tokens per second over a sliding window."""
+class TokenRates:
+    """Tokens per second over the last ``RATE_WINDOW_S``, in total and per chat.
+
+    Tokens are counted into an open bucket (:meth:`add`: a comparison and three writes);
+    the first token past ``RATE_BUCKET_S`` after the bucket's start closes it into a short
+    ring and opens the next at its own time. A rate is the tokens of the buckets that
+    started inside the window divided by the time since the first of them started (at
+    least ``MIN_RATE_SPAN_S``): the old per-token deque's formula to within a bucket,
+    without a sum over every token of the window. A bucket starts at its first token, so
+    a chat resuming after a pause is not diluted by the pause.
+    """
 
     def __init__(self) -> None:
-        self._events: deque[tuple[float, int]] = deque()
+        self._start = float("-inf")
+        self._total = 0
+        self._by_chat: defaultdict[str, int] = defaultdict(int)
+        # closed buckets, oldest first: (start, tokens, tokens per chat)
+        self._ring: deque[tuple[float, int, dict[str, int]]] = deque()
 
-    def add(self, now: float, n: int) -> None:
-        self._events.append((now, n))
+    def add(self, session_id: str, now: float) -> None:
+        if now - self._start >= RATE_BUCKET_S:
+            self._open(now)
+        self._total += 1
+        self._by_chat[session_id] += 1
 
-    def per_second(self, now: float) -> float:
-        while self._events and self._events[0][0] < now - RATE_WINDOW_S:
-            self._events.popleft()
-        if not self._events:
+    def _open(self, now: float) -> None:
+        """Close the open bucket (if it counted anything), drop those that left the window,
+        and open one at ``now``: once per bucket, never per token."""
+        if self._total:
+            self._ring.append((self._start, self._total, self._by_chat))
+            self._total = 0
+            self._by_chat = defaultdict(int)
+        while self._ring and self._ring[0][0] < now - RATE_WINDOW_S:
+            self._ring.popleft()
+        self._start = now
+
+    def forget(self, session_id: str) -> None:
+        self._by_chat.pop(session_id, None)
+
+    def per_second(self, now: float, session_id: str | None = None) -> float:
+        """The rate of one chat, or of all of them (``session_id`` None)."""
+        oldest = now - RATE_WINDOW_S
+        first = None
+        tokens = 0
+        for start, total, by_chat in self._ring:
+            if start < oldest:
+                continue
+            n = total if session_id is None else by_chat.get(session_id, 0)
+            if n:
+                tokens += n
+                first = start if first is None else first
+        if self._start >= oldest:
+            n = self._total if session_id is None else self._by_chat.get(session_id, 0)
+            if n:
+                tokens += n
+                first = self._start if first is None else first
+        if not tokens:
             return 0.0
-        span = max(now - self._events[0][0], 0.25)
-        return sum(n for _, n in self._events) / span
+        return tokens / max(now - first, MIN_RATE_SPAN_S)
 
 
 class Telemetry:
     """Counts tokens and step times; builds the immutable snapshot other threads read."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock  # seconds (tests pass a manual one)
         self.snapshot: PoolSnapshot | None = None
         self.generated = 0
         self.step_ms = 0.0
         self.sched_ms = 0.0
         self.phase_ms = StepTimes()  # an EMA per phase, in ms
         self.batch = 0
-        self._rate = Rate()
-        self._session_rates: dict[str, Rate] = {}
+        self.rates = TokenRates()
+        #: Set by a reader (any thread), cleared by the engine thread when it builds one.
+        self.wanted = False
         # Chats shown even while they run nothing, least recently active first.
         self._sessions: OrderedDict[str, None] = OrderedDict()
-        self._last_snapshot = 0.0
+        self._last_snapshot = float("-inf")
+
+    # ---- reading (any thread) -------------------------------------------------------------
+
+    def read(self) -> PoolSnapshot | None:
+        """The latest snapshot, asking the engine thread for a fresh one: it builds one at
+        its next step boundary once ``SNAPSHOT_INTERVAL_S`` has passed since the last.
+        Never waits: a reader that polls (the app, at 10 Hz) sees the pool at most an
+        interval plus a step late; a reader that needs a state after an event polls until
+        a snapshot shows it."""
+        self.wanted = True
+        return self.snapshot
 
     # ---- recording (engine thread) ----------------------------------------------------------
 
@@ -99,21 +166,24 @@ class Telemetry:
 
     def forget_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
-        self._session_rates.pop(session_id, None)
+        self.rates.forget(session_id)
 
     def token(self, session_id: str, now: float) -> None:
+        """One token of ``session_id`` accepted: a few attribute writes, nothing more."""
         self.generated += 1
-        self._rate.add(now, 1)
-        self._session_rates.setdefault(session_id, Rate()).add(now, 1)
+        self.rates.add(session_id, now)
 
     def step(self, batch: int, step_s: float, times: StepTimes) -> None:
         """One step ran ``batch`` works in ``step_s``, split in phases as ``times``."""
         self.batch = batch
         self.step_ms = _ema(self.step_ms, step_s * 1000)
         self.sched_ms = _ema(self.sched_ms, (times.schedule + times.bookkeeping) * 1000)
-        for name in ("schedule", "build", "forward", "sample", "bookkeeping"):
-            value = getattr(times, name) * 1000
-            setattr(self.phase_ms, name, _ema(getattr(self.phase_ms, name), value))
+        phase = self.phase_ms
+        phase.schedule = _ema(phase.schedule, times.schedule * 1000)
+        phase.build = _ema(phase.build, times.build * 1000)
+        phase.forward = _ema(phase.forward, times.forward * 1000)
+        phase.sample = _ema(phase.sample, times.sample * 1000)
+        phase.bookkeeping = _ema(phase.bookkeeping, times.bookkeeping * 1000)
 
     # ---- snapshots --------------------------------------------------------------------------
 
@@ -128,9 +198,14 @@ class Telemetry:
         paged: bool = True,
         kv_dtype: str = "",
     ) -> None:
-        now = time.perf_counter()
+        """Build a snapshot if one was asked for and the last is ``SNAPSHOT_INTERVAL_S``
+        old, or if ``force`` (the engine went idle, or loaded, or stopped)."""
+        if not force and not self.wanted:
+            return
+        now = self.clock()
         if not force and now - self._last_snapshot < SNAPSHOT_INTERVAL_S:
             return
+        self.wanted = False
         self._last_snapshot = now
         owners, refcounts, fills, cached, tokens = alloc.block_state()
         counters = Counters(
@@ -141,7 +216,7 @@ class Telemetry:
             preemptions=scheduler.preemptions,
             prefix_cache_hits=alloc.prefix_hits,
             prefix_cache_queries=alloc.prefix_queries,
-            tokens_per_s=self._rate.per_second(now),
+            tokens_per_s=self.rates.per_second(now),
             generated_tokens=self.generated,
             build_time_ms=self.phase_ms.build,
             forward_time_ms=self.phase_ms.forward,
@@ -158,15 +233,18 @@ class Telemetry:
             fills=fills,
             cached=cached,
             block_tokens=tokens,
-            sessions=self._session_stats(requests, refcounts, fills, alloc.block_size, now),
+            sessions=self._session_stats(requests, alloc, now),
             counters=counters,
             model_name=model_name,
             paged=paged,
             kv_dtype=kv_dtype,
         )
 
-    def _session_stats(self, requests: Iterable[Request], refcounts: tuple, fills: tuple,
-                       block_size: int, now: float) -> dict[str, SessionStats]:
+    def _session_stats(self, requests: Iterable[Request], alloc: BlockAllocator,
+                       now: float) -> dict[str, SessionStats]:
+        """Per chat: what its live sequences say (states, tokens, prompt progress: a loop
+        over sequences, not blocks) and what the allocator keeps per owner (blocks held,
+        shared, empty slots)."""
         requests = list(requests)
         for request in requests:  # a running chat is the most recently active
             self._touch(request.session_id)
@@ -177,7 +255,6 @@ class Telemetry:
             for seq in request.sequences:
                 stats["states"].add(seq.state)
                 if seq.table is not None:
-                    stats["blocks"].update(seq.table.blocks)
                     stats["tokens"] += seq.table.num_tokens
                 elif seq.state is SequenceState.DECODING:  # on mlx-lm's cache (no table)
                     stats["tokens"] += len(seq.tokens)
@@ -185,28 +262,26 @@ class Telemetry:
                     stats["prompt_done"] += seq.table.num_computed if seq.table else 0
                     stats["prompt_total"] += len(seq.tokens)
         result = {}
+        rates = self.rates
         for sid, s in sessions.items():
-            held = s["blocks"]
-            rate = self._session_rates.get(sid)
+            held, shared, wasted = alloc.owner_usage(sid)
             result[sid] = SessionStats(
                 session_id=sid,
                 state=_session_state(s["states"]),
-                blocks_held=len(held),
-                blocks_shared=sum(1 for b in held if refcounts[b] > 1),
+                blocks_held=held,
+                blocks_shared=shared,
                 tokens_in_context=s["tokens"],
-                wasted_slots=sum(block_size - fills[b] for b in held),
-                tokens_per_s=rate.per_second(now) if rate is not None else 0.0,
+                wasted_slots=wasted,
+                tokens_per_s=rates.per_second(now, sid),
                 requests=s["requests"],
                 prompt_tokens_done=s["prompt_done"],
                 prompt_tokens_total=s["prompt_total"],
             )
-        for sid in [sid for sid in self._session_rates if sid not in result]:
-            del self._session_rates[sid]  # forgotten chats take their rates along
         return result
 
 
 def _new_session() -> dict:
-    return {"states": set(), "blocks": set(), "tokens": 0, "requests": 0, "prompt_done": 0,
+    return {"states": set(), "tokens": 0, "requests": 0, "prompt_done": 0,
             "prompt_total": 0}
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.block_invariants import check_invariants
-from engine.block_table import BlockTable, NoFreeBlocksError
+from engine.block_table import PENDING, BlockTable, NoFreeBlocksError
 from engine.blocks import BlockAllocator
 
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=40)
@@ -47,6 +47,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data(), tokens=TOKENS)
     def append(self, data: st.DataObject, tokens: list[int]) -> None:
         table = data.draw(st.sampled_from(self.tables))
+        self._settle(table, 1)
         before = (list(table.blocks), list(table.tokens))
         available = self.alloc.num_available
         needed = self.alloc.blocks_needed(table, len(tokens))
@@ -67,6 +68,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         parent = data.draw(st.sampled_from(self.tables))
+        self._settle(parent, 2)
         child = self.alloc.fork(parent, owner=self._owner())
         assert child.blocks == parent.blocks and child.tokens == parent.tokens
         self.tables.append(child)
@@ -77,6 +79,30 @@ class AllocatorMachine(RuleBasedStateMachine):
         table = data.draw(st.sampled_from(self.tables))
         self.tables.remove(table)
         self.alloc.free(table)
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
+    def append_in_flight(self, data: st.DataObject) -> None:
+        """An overlapped step feeds a token still on the device: a PENDING slot."""
+        table = data.draw(st.sampled_from(self.tables))
+        self._settle(table, 0)
+        try:
+            self.alloc.append(table, [PENDING])
+        except NoFreeBlocksError:
+            return
+        self.alloc.mark_computed(table)
+
+    @precondition(lambda self: any(t.tokens and t.tokens[-1] == PENDING for t in self.tables))
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def resolve(self, data: st.DataObject, token: int) -> None:
+        pending = [t for t in self.tables if t.tokens and t.tokens[-1] == PENDING]
+        self._settle(data.draw(st.sampled_from(pending)), token)
+
+    def _settle(self, table: BlockTable, token: int) -> None:
+        """The step in flight is read before the table grows again (as the engine does)."""
+        if table.tokens and table.tokens[-1] == PENDING:
+            self.alloc.resolve_pending(table, token)
+            self.alloc.mark_computed(table)
 
     @invariant()
     def consistent(self) -> None:

@@ -278,7 +278,9 @@ def test_snapshot_reports_sessions_blocks_and_counters(engine: Engine) -> None:
     handle = engine.submit(messages=user(QUESTIONS[5], SYSTEM),
                            params=SamplingParams(temperature=0.0, max_tokens=300),
                            session_id="snap")
-    wait_until(lambda: handle.token_events >= 3)
+    # Snapshots are built when asked, between steps: poll until one shows the chat decoding.
+    wait_until(lambda: handle.token_events >= 3 and getattr(
+        engine.snapshot().sessions.get("snap"), "state", None) is SequenceState.DECODING)
     snap = engine.snapshot()
     stats = snap.sessions["snap"]
     assert stats.state is SequenceState.DECODING
