@@ -3,7 +3,8 @@
 Six mixes: greedy; the app's default sampling (temperature 0.3, top-p 0.9, repetition
 penalty 1.15 over 128 tokens), unseeded and seeded; a mix of greedy, default and other
 filters, half of the sampled rows seeded; and temperature 0.3 alone, unseeded and seeded
-(the draw itself, without top-p's sort, which dominates a CPU step). For each it prints, in milliseconds per step:
+(the draw itself, without top-p's sort, which dominates a CPU step). For each it prints,
+in milliseconds per step:
 
 - ``build``: the host's time to build the step's sampling graph (what the engine thread
   spends before it can launch the step; the device works meanwhile when steps overlap);

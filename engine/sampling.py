@@ -41,12 +41,9 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from engine.config import SamplingParams
 
 
-def new_key(seed: int | None, index: int) -> mx.array:
-    """The PRNG key of sample ``index``: from the seed when given, else fresh entropy."""
-    if seed is None:
-        import secrets
-
-        return mx.random.key(secrets.randbits(63))
+def new_key(seed: int, index: int) -> mx.array:
+    """The PRNG key of sample ``index`` of a seeded request (unseeded samples have none:
+    they draw from the step's shared key)."""
     return mx.random.split(mx.random.key(seed), index + 1)[index]
 
 
