@@ -137,7 +137,7 @@ def test_overlapped_steps_with_penalties_seeds_stops_and_forks_equal_synchronous
     # Overlap, penalised rows included: nearly every step was launched before the previous
     # step's tokens were read (not the first, nor steps after one that sampled nothing).
     assert sync_stats["ahead"] == 0
-    assert stats["ahead"] >= 0.7 * stats["steps"], stats
+    assert stats["ahead"] >= 0.8 * stats["steps"], stats  # measured: 29 of 31, 47 of 49
 
     # Right, not just equal: each reply against its independent reference.
     reasons = set()
