@@ -56,7 +56,7 @@ MUTANTS = (
     Mutant("the penalty's carried window never takes the new token", "engine/sampling.py",
            (("windows = mx.concatenate([windows[:, 1:], tokens[:, None]], axis=1)",
              "windows = windows"),),
-           ("tests/test_overlap_sampling.py",)),
+           ("tests/test_sampling_batched.py", "tests/test_overlap_sampling.py")),
     Mutant("a window rebuilt while its token is in flight leaves that token out",
            "engine/step.py",
            (("                elif s.inflight:  # its newest token is still on the device",
