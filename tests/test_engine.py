@@ -416,6 +416,9 @@ def test_overlapped_steps_equal_the_synchronous_path(engine: Engine) -> None:
     # sequence decoding every other step) about half.
     assert sync_stats["ahead"] == 0
     assert stats["ahead"] >= 11 and stats["ahead"] >= 0.75 * stats["steps"], stats
+    # ...and each sequence decoded every step (22 steps against 21 measured): one whose next
+    # token in flight the scheduler did not see would sit out every other step.
+    assert stats["steps"] <= 1.2 * sync_stats["steps"] + 1, (stats, sync_stats)
     for h in handles:  # nothing followed a final: collect() read every event pushed
         assert not h._events
 
