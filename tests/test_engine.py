@@ -416,8 +416,9 @@ def test_overlapped_steps_equal_the_synchronous_path(engine: Engine) -> None:
     # sequence decoding every other step) about half.
     assert sync_stats["ahead"] == 0
     assert stats["ahead"] >= 11 and stats["ahead"] >= 0.75 * stats["steps"], stats
-    # ...and each sequence decoded every step (22 steps against 21 measured): one whose next
-    # token in flight the scheduler did not see would sit out every other step.
+    # ...and overlapping cost no extra steps (22 against 21 measured). Sequences that sit
+    # out every other step (their token in flight unseen) interleave here (23 against 21):
+    # tests/test_overlap_sampling.py is the test that catches that.
     assert stats["steps"] <= 1.2 * sync_stats["steps"] + 1, (stats, sync_stats)
     for h in handles:  # nothing followed a final: collect() read every event pushed
         assert not h._events
