@@ -87,6 +87,28 @@ class EngineBanner(QFrame):
         self.style().polish(self)
 
 
+class SpeedBanner(QFrame):
+    """Why prompts are slow, when MLX's CPU matmuls run on its bundled BLAS (Linux without
+    OpenBLAS: about 20x slower prefill, app/core/openblas.py); dismissed for this run."""
+
+    def __init__(self, problem: str, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("speedBanner")
+        self.setAccessibleName("Speed warning")
+        h = QHBoxLayout(self)
+        h.setContentsMargins(14, 8, 10, 8)
+        self.label = QLabel(problem)
+        self.label.setAccessibleName("Why PagedChat is slow")
+        self.label.setWordWrap(True)
+        self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        h.addWidget(self.label, 1)
+        self.dismiss = QPushButton("Dismiss")
+        self.dismiss.setAccessibleName("Dismiss the speed warning")
+        self.dismiss.clicked.connect(self.hide)
+        h.addWidget(self.dismiss)
+        self.setVisible(bool(problem))
+
+
 class CompareBar(QFrame):
     """One input that sends the same message to every open pane (compare mode)."""
 

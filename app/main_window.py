@@ -25,10 +25,11 @@ from PySide6.QtWidgets import (
 
 from app import colors
 from app.actions import THEMES, build_actions, build_toolbar, refresh_icons
-from app.banners import CompareBar, EngineBanner, ModelButton, PoolLabel
+from app.banners import CompareBar, EngineBanner, ModelButton, PoolLabel, SpeedBanner
 from app.chat.pane import ChatPane
 from app.chat.session import ChatSession, SessionManager
 from app.confirm import confirm_destructive
+from app.core import openblas
 from app.core.app_settings import AppSettings
 from app.core.providers import ProviderRegistry
 from app.dock_fit import DockFitter
@@ -104,6 +105,8 @@ class MainWindow(QMainWindow):
         self.banner = EngineBanner(self.workspace)
         self.banner.hide()
         w.addWidget(self.banner)
+        self.speed_banner = SpeedBanner(openblas.state().problem, self.workspace)
+        w.addWidget(self.speed_banner)
         self.deck = PaneDeck(self.bridge, self.workspace)
         self.pane_splitter = self.deck.splitter
         w.addWidget(self.pane_splitter, 1)

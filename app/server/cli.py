@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
              err=True)
         return 2
 
+    from app.core import openblas
     from engine import Engine, EngineConfig
+
+    blas = openblas.state()  # loaded by app.main before MLX; says so when it could not
 
     try:
         config = EngineConfig(model=args.model, kv_memory_mib=args.kv_memory_mib,
@@ -116,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def started() -> None:
             _say(f"PagedChat API serving {engine.model_info.name} at {url}")
+            if blas.problem:
+                _say(f"WARNING: {blas.problem}", err=True)
             _say(f"API key: from {where.get(source, source)}; press Ctrl+C to stop")
 
         serve_forever(app, sock, started, log_level=args.log_level)
