@@ -32,6 +32,7 @@ from app.chat.message_model import ChatMessageModel
 from app.chat.message_view import MessageListView
 from app.chat.model_selector import ModelSelector
 from app.chat.session import ChatSession
+from app.core.model_names import model_id
 from app.core.rates import fmt_rate, shown_rate
 from app.core.records import Status
 from app.elided_label import ElidedLabel
@@ -288,7 +289,7 @@ class ChatPane(QFrame):
             return
         remote = self.session.remote
         info = self.bridge.model_info
-        local = getattr(info, "name", None) or "engine model"
+        local = model_id(getattr(info, "name", None) or "engine model")
         self.model_selector.fill(getattr(remote, "registry", None), str(local),
                                  self.session.model_ref)
         self._update_title()
