@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
 
 from app import icons
 from app.chat.input_box import InputBox
+from app.core.model_names import model_id, weights
 from app.engine_bridge import IDLE
 from engine import EngineStatus
 
@@ -87,6 +88,28 @@ class EngineBanner(QFrame):
         self.style().polish(self)
 
 
+class SpeedBanner(QFrame):
+    """Why prompts are slow, when MLX's CPU matmuls run on its bundled BLAS (Linux without
+    OpenBLAS: about 20x slower prefill, app/core/openblas.py); dismissed for this run."""
+
+    def __init__(self, problem: str, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("speedBanner")
+        self.setAccessibleName("Speed warning")
+        h = QHBoxLayout(self)
+        h.setContentsMargins(14, 8, 10, 8)
+        self.label = QLabel(problem)
+        self.label.setAccessibleName("Why PagedChat is slow")
+        self.label.setWordWrap(True)
+        self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        h.addWidget(self.label, 1)
+        self.dismiss = QPushButton("Dismiss")
+        self.dismiss.setAccessibleName("Dismiss the speed warning")
+        self.dismiss.clicked.connect(self.hide)
+        h.addWidget(self.dismiss)
+        self.setVisible(bool(problem))
+
+
 class CompareBar(QFrame):
     """One input that sends the same message to every open pane (compare mode)."""
 
@@ -142,15 +165,17 @@ class ModelButton(QToolButton):
         if status in (EngineStatus.LOADING, IDLE):
             self.setText(f"{name} · loading…")
         elif status == EngineStatus.READY:
-            label = getattr(info, "name", name) if info is not None else name
+            full = getattr(info, "name", name) if info is not None else name
+            label = model_id(full)  # the one name (app/core/model_names.py)
             self.setText(label)
+            held = f"weights: {weights(full)} · " if weights(full) else ""
             if info is not None and not getattr(info, "paged", True):
-                self.setToolTip(f"{label}\ncontext {info.max_context:,} tokens · not paged: "
-                                "runs on mlx-lm's own KV cache")
+                self.setToolTip(f"{label}\n{held}context {info.max_context:,} tokens · not "
+                                "paged: runs on mlx-lm's own KV cache")
             elif info is not None:
                 self.setToolTip(
-                    f"{label}\ncontext {info.max_context:,} tokens · {info.num_blocks:,} KV blocks "
-                    f"of {info.block_size} tokens"
+                    f"{label}\n{held}context {info.max_context:,} tokens · "
+                    f"{info.num_blocks:,} KV blocks of {info.block_size} tokens"
                     + (f" ({info.kv_dtype})" if getattr(info, "kv_dtype", "") else "")
                 )
         elif status == EngineStatus.ERROR:

@@ -79,6 +79,9 @@ def share_the_gil() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from app.core import openblas
+
+    openblas.load()  # first, before anything imports MLX: fast CPU matmuls on Linux
     if argv[:1] == ["serve"]:  # headless: the API server only, no Qt imported on this path
         from app.server.cli import main as serve_main
 

@@ -25,10 +25,11 @@ from PySide6.QtWidgets import (
 
 from app import colors
 from app.actions import THEMES, build_actions, build_toolbar, refresh_icons
-from app.banners import CompareBar, EngineBanner, ModelButton, PoolLabel
+from app.banners import CompareBar, EngineBanner, ModelButton, PoolLabel, SpeedBanner
 from app.chat.pane import ChatPane
 from app.chat.session import ChatSession, SessionManager
 from app.confirm import confirm_destructive
+from app.core import openblas
 from app.core.app_settings import AppSettings
 from app.core.providers import ProviderRegistry
 from app.dock_fit import DockFitter
@@ -104,6 +105,8 @@ class MainWindow(QMainWindow):
         self.banner = EngineBanner(self.workspace)
         self.banner.hide()
         w.addWidget(self.banner)
+        self.speed_banner = SpeedBanner(openblas.state().problem, self.workspace)
+        w.addWidget(self.speed_banner)
         self.deck = PaneDeck(self.bridge, self.workspace)
         self.pane_splitter = self.deck.splitter
         w.addWidget(self.pane_splitter, 1)
@@ -147,6 +150,7 @@ class MainWindow(QMainWindow):
         self.banner.settingsRequested.connect(self.settings_flow.open)
         self.banner.retryRequested.connect(self.settings_flow.restart_engine)
         self.compare_bar.submitted.connect(self._compare_submit)
+        self.compare_bar.input.cancelled.connect(lambda: self.toggle_compare(False))
         theme_manager().changed.connect(self._theme_changed)
         self.deck.focusChanged.connect(self._pane_focused)
         self.deck.countChanged.connect(self._pane_count_changed)
@@ -245,11 +249,36 @@ class MainWindow(QMainWindow):
             self.compare_bar.input.clear()
 
     def toggle_compare(self, checked: bool | None = None) -> None:
+        """Send to All (the action): with a message typed, send it to every pane; else show
+        or hide the bar to type one (Esc in the bar hides it)."""
+        if checked is None and self._send_draft_to_all():
+            self.act_send_all.setChecked(self.compare_bar.isVisible())  # a send, not a toggle
+            return
         on = self.act_send_all.isChecked() if checked is None else bool(checked)
+        had_focus = self.compare_bar.isAncestorOf(QApplication.focusWidget())
         self.act_send_all.setChecked(on)
         self.compare_bar.setVisible(on)
         if on:
             self.compare_bar.input.setFocus()
+        elif had_focus and self.focused_pane is not None:
+            self.focused_pane.focus_input()
+
+    def _send_draft_to_all(self) -> bool:
+        """The draft already typed goes to every pane (it was left behind while an empty bar
+        opened, issue 25): the bar's own when it has the focus, else the focused pane's.
+        False when there is no draft."""
+        bar = self.compare_bar.input
+        if bar.hasFocus() and bar.toPlainText().strip():
+            self._compare_submit(bar.toPlainText())
+            return True
+        pane = self.focused_pane
+        if pane is None or pane.session is None or not pane.input.toPlainText().strip():
+            return False
+        was_busy = pane.session.busy
+        self.send_to_all(pane.input.toPlainText())
+        if not was_busy and pane.session.busy:  # its own pane took it: the box is emptied
+            pane.input.clear()
+        return True
 
     def stop_all(self) -> None:
         for s in list(self.manager.sessions.values()):

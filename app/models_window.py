@@ -43,6 +43,7 @@ from app.core.downloads import (
     is_partial,
 )
 from app.core.model_catalog import CURATED, SOURCE_LABELS, CuratedModel, InstalledModel
+from app.core.model_names import model_id, weights
 
 PROGRESS_STEPS = 1000
 
@@ -133,8 +134,8 @@ class InstalledTable(_RowsTable):
         self.endResetModel()
 
     def cells(self, m: InstalledModel) -> tuple[str, ...]:
-        return (m.name, SOURCE_LABELS[m.source], m.architecture, human_count(m.parameters),
-                m.quantization, human_bytes(m.size_bytes),
+        return (model_id(m.name), SOURCE_LABELS[m.source], m.architecture,
+                human_count(m.parameters), m.quantization, human_bytes(m.size_bytes),
                 f"{m.context:,}" if m.context else "?", m.paged)
 
     def tooltip(self, m: InstalledModel) -> str:
@@ -291,6 +292,10 @@ class ModelsWindow(QDialog):
         models = model_catalog.scan(self.downloads_root,
                                     model_catalog.load_user_folders(self.store))
         info = self.loaded_info() if self.loaded_info is not None else None
+        held = weights(getattr(info, "name", "")) if info is not None else ""
+        if held:  # how the loaded one holds its weights, in the toolbar tooltip's words
+            models = [dataclasses.replace(m, quantization=f"{m.quantization}, runs as {held}")
+                      if m.spec == self.current_spec() else m for m in models]
         if info is not None and not getattr(info, "paged", True):
             # What the loaded model turned out to be beats "checked at load".
             models = [dataclasses.replace(m, paged="no (mlx-lm's cache)")

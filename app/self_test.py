@@ -95,9 +95,10 @@ def generate(result: SelfTestResult) -> object:
 
     if mx.metal.is_available():
         result.backend = "metal"
-    else:  # on Linux, say whether the fast BLAS is preloaded (scripts/env.sh or the bundle)
-        blas = "openblas" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled blas"
-        result.backend = f"cpu, {blas}"
+    else:  # on Linux, say which BLAS MLX's matmuls resolve to (app/core/openblas.py)
+        from app.core import openblas
+
+        result.backend = f"cpu, {openblas.state().label}"
     engine = Engine(EngineConfig(model="default", kv_memory_mib=16.0, max_batch=2))
     engine.start()
     try:

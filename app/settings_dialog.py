@@ -32,14 +32,21 @@ from app.core.app_settings import AppSettings
 from app.core.records import ChatSettings
 from app.forms import ChatSettingsForm, CheckedDialog
 from app.providers_page import ProvidersPage
-from engine import BLOCK_SIZES
+from engine import BLOCK_SIZES, SamplingParams
 
 
 class SettingsDialog(CheckedDialog):
     def __init__(self, settings: AppSettings, parent: QWidget | None = None,
-                 registry: Any = None) -> None:
+                 registry: Any = None,
+                 new_chat_defaults: tuple[SamplingParams, str] | None = None) -> None:
         super().__init__("Settings", "Settings", 520, parent)
         self._initial = settings
+        # what new chats really start with, and from where (SettingsFlow.new_chat_sampling):
+        # shown while the user never set their own, so both dialogs tell one story
+        self._follows_model = settings.default_sampling == SamplingParams()
+        self._shown_defaults = (new_chat_defaults[0] if new_chat_defaults and self._follows_model
+                                else settings.default_sampling)
+        self._defaults_source = new_chat_defaults[1] if new_chat_defaults else ""
         self.token_changed = False
         tabs = QTabWidget()
         tabs.setAccessibleName("Settings sections")
@@ -133,13 +140,21 @@ class SettingsDialog(CheckedDialog):
     def _defaults_tab(self, s: AppSettings) -> QWidget:
         page = QWidget()
         v = QVBoxLayout(page)
-        defaults = ChatSettings(s.default_system_prompt, s.default_sampling)
+        defaults = ChatSettings(s.default_system_prompt, self._shown_defaults)
         self.defaults = ChatSettingsForm(
             defaults, "Default &system prompt for new chats:", "Default system prompt", 90
         )
         self.system_prompt = self.defaults.system_prompt
         self.sampling = self.defaults.sampling
         v.addWidget(self.defaults)
+        if self._defaults_source:
+            note = QLabel(f"Sampling from {self._defaults_source}; changing a value makes it "
+                          "yours for every new chat.")
+            note.setObjectName("hint")
+            note.setWordWrap(True)
+            note.setAccessibleName("Where the defaults come from")
+            self.defaults_source_label = note
+            v.addWidget(note)
         v.addStretch(1)
         return page
 
@@ -180,8 +195,16 @@ class SettingsDialog(CheckedDialog):
             block_size=int(self.block_combo.currentData()),
             theme=str(self.theme_combo.currentData()),
             default_system_prompt=self.system_prompt.toPlainText(),
-            default_sampling=self.sampling.value(),
+            default_sampling=self._chosen_sampling(),
         )
+
+    def _chosen_sampling(self) -> SamplingParams:
+        """The form's values; left as the model's own, they stay "follow the model" (so a
+        model loaded later brings its own defaults)."""
+        chosen = self.sampling.value()
+        if self._follows_model and chosen == self._shown_defaults:
+            return SamplingParams()
+        return chosen
 
     def problem(self) -> str | None:
         problem = self.sampling.error() or self.value().validate()

@@ -48,7 +48,8 @@ class SettingsFlow:
     def open(self, tab: str | None = None) -> None:
         """Show the Settings dialog (on the Providers tab for ``tab="providers"``)."""
         w = self.window
-        dialog = SettingsDialog(w.settings, w, registry=w.registry)
+        dialog = SettingsDialog(w.settings, w, registry=w.registry,
+                                new_chat_defaults=self.new_chat_sampling())
         if tab == "providers" and dialog.providers_page is not None:
             dialog.tabs.setCurrentWidget(dialog.providers_page)
         if dialog.exec() == QDialog.DialogCode.Accepted:
@@ -90,14 +91,21 @@ class SettingsFlow:
             self.restart_engine()
         return True
 
+    def new_chat_sampling(self) -> tuple[SamplingParams, str]:
+        """(what new chats sample with, where it comes from): the user's defaults from
+        Settings, else the loaded model's (SamplingParams() stored means "never changed").
+        Both settings dialogs show this one value (they disagreed, issue 25)."""
+        w = self.window
+        sampling = w.settings.default_sampling
+        if sampling != SamplingParams():
+            return sampling, "your defaults (Settings)"
+        info = w.bridge.model_info
+        return model_defaults(getattr(info, "path", "") if info else "")
+
     def apply_default_chat_settings(self, *_args: object) -> None:
         """New chats sample as the user set in Settings, else as the loaded model asks."""
         w = self.window
-        sampling = w.settings.default_sampling
-        source = "your defaults (Settings)"
-        if sampling == SamplingParams():  # never changed by the user
-            info = w.bridge.model_info
-            sampling, source = model_defaults(getattr(info, "path", "") if info else "")
+        sampling, source = self.new_chat_sampling()
         manager = w.manager
         previous = manager.default_settings.sampling
         manager.default_settings = ChatSettings(

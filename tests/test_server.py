@@ -65,7 +65,10 @@ def client(server) -> openai.OpenAI:
 
 
 def model_id(engine: Engine) -> str:
-    return engine.model_info.name
+    """The API's id of the served model: the app's one name for it (no spaces, no variant)."""
+    from app.core.model_names import model_id as app_model_id
+
+    return app_model_id(engine.model_info.name)
 
 
 def mlx_lm_text(tokens: list[int]) -> str:
@@ -119,7 +122,10 @@ def raw(server, path: str, body: dict | bytes | None = None, key: str | None = K
 
 def test_lists_the_engines_model(client, engine) -> None:
     models = client.models.list()
-    assert [m.id for m in models.data] == [engine.model_info.name]
+    assert [m.id for m in models.data] == [model_id(engine)]
+    # the embedded model's id is its name as the Models window and the toolbar show it,
+    # typed as is: no spaces, no "(fp32)" (issue 25)
+    assert model_id(engine) == "SmolLM2-135M-Instruct" != engine.model_info.name
 
 
 def test_chat_reply_equals_mlx_lm_greedy_generation(client, engine) -> None:
@@ -384,7 +390,7 @@ def test_an_engine_that_is_not_ready_gets_503() -> None:
 
 def test_health_needs_no_key_and_reports_the_model(server, engine) -> None:
     status, body = raw(server, "/health", key=None)
-    assert (status, body) == (200, {"status": "ok", "model": engine.model_info.name})
+    assert (status, body) == (200, {"status": "ok", "model": model_id(engine)})
 
 
 # ---- the network ---------------------------------------------------------------------------

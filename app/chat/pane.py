@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import QEvent, QObject, QRect, Qt, QTimer, Signal
-from PySide6.QtGui import QColor, QGuiApplication, QPainter, QPaintEvent
+from PySide6.QtGui import QColor, QGuiApplication, QKeyEvent, QPainter, QPaintEvent
 from PySide6.QtWidgets import (
     QDialog,
     QFrame,
@@ -26,11 +26,13 @@ from PySide6.QtWidgets import (
 from app import colors, icons
 from app.chat.attachment_bar import AttachmentBar
 from app.chat.chat_settings_dialog import ChatSettingsDialog
+from app.chat.draft_meter import DraftMeter
 from app.chat.input_box import InputBox
 from app.chat.message_model import ChatMessageModel
 from app.chat.message_view import MessageListView
 from app.chat.model_selector import ModelSelector
 from app.chat.session import ChatSession
+from app.core.model_names import model_id
 from app.core.rates import fmt_rate, shown_rate
 from app.core.records import Status
 from app.elided_label import ElidedLabel
@@ -184,11 +186,20 @@ class ChatPane(QFrame):
         wl = QVBoxLayout(wrap)
         wl.setContentsMargins(12, 4, 12, 2)
         wl.addWidget(composer)
+        self.draft_meter = DraftMeter(wrap)  # the draft's tokens, flagged when too long
+        self.draft_meter.draft = self.input.toPlainText
+        self.draft_meter.prompt_for = self._draft_prompt
+        self.draft_meter.count_tokens = self._count_draft
+        self.draft_meter.limit = lambda: self.bridge.max_context
+        self.draft_meter.context_used = lambda: getattr(self.session, "context_tokens", None)
+        self.input.textChanged.connect(self.draft_meter.schedule)
+        wl.addWidget(self.draft_meter)
         self.attachments = AttachmentBar(self)  # files for the next message (chips, tokens)
         self.attachments.notice.connect(self.show_notice)
         self.attachments.accept_drops_on(self.input.viewport())
         self.attachments.count_tokens = self.bridge.count_tokens
         self.attachments.context_left = self._context_left
+        self.attachments.changed.connect(self.draft_meter.schedule)
         layout.addWidget(self.attachments)
         layout.addWidget(wrap)
 
@@ -241,10 +252,12 @@ class ChatPane(QFrame):
         self._watch_registry(session)
         self.header.accent = colors.accent_color(session.id)
         self.header.update()  # the dot and the accent bar are painted, not styled
+        session.contextChanged.connect(self.draft_meter.schedule)
         self._update_title()
         self._update_busy()
         self._update_empty()
         self._update_footer()
+        self.draft_meter.schedule()
 
     def _disconnect_session(self, session: ChatSession) -> None:
         for sig, slot in (
@@ -255,6 +268,7 @@ class ChatPane(QFrame):
             (session.pathChanged, self._update_empty),
             (session.settingsChanged, self._update_title),
             (session.modelChanged, self._model_changed),
+            (session.contextChanged, self.draft_meter.schedule),
         ):
             disconnect(sig, slot)
 
@@ -275,7 +289,7 @@ class ChatPane(QFrame):
             return
         remote = self.session.remote
         info = self.bridge.model_info
-        local = getattr(info, "name", None) or "engine model"
+        local = model_id(getattr(info, "name", None) or "engine model")
         self.model_selector.fill(getattr(remote, "registry", None), str(local),
                                  self.session.model_ref)
         self._update_title()
@@ -331,6 +345,13 @@ class ChatPane(QFrame):
         self.header.update()
 
     def eventFilter(self, obj: QObject, event: QEvent) -> bool:
+        if event.type() == QEvent.Type.MouseButtonDblClick and obj is self.send_button:
+            # Send turns into Stop under the pointer, as in Mac chat apps (one target that
+            # never moves). The second click of a double click (the system's interval and
+            # distance) is therefore no click here: it would stop the reply the first click
+            # just started (issue 25). A deliberate click on Stop works as always.
+            self.send_button.setDown(False)
+            return True
         if event.type() == QEvent.Type.Resize and obj is self.view.viewport():
             self.empty_label.setGeometry(self.view.viewport().rect())
         if event.type() == QEvent.Type.FocusIn:
@@ -350,6 +371,10 @@ class ChatPane(QFrame):
         """Send `text` as the user (what Enter does); returns whether it was accepted."""
         assert self.session is not None
         self.notice_label.hide()  # an old notice; a new one may come from this send
+        if self._editing is None and self.draft_meter.too_long(text):
+            self.show_notice("This message is longer than the model's context: shorten it "
+                             "(or start a new chat) before sending.")
+            return False
         if self._editing is not None:
             mid, self._editing = self._editing, None
             self.edit_banner.hide()
@@ -407,6 +432,25 @@ class ChatPane(QFrame):
 
         QTimer.singleShot(0, self, scroll)
         return True
+
+    def _draft_prompt(self, text: str) -> list[dict]:
+        return self.session.draft_prompt(text, self.attachments.pending) if self.session else []
+
+    async def _count_draft(self, messages: list[dict]) -> int | None:
+        """The local engine's count (a remote chat's server tokenizes its own way: none)."""
+        if self.session is None or self.session.is_remote:
+            return None
+        return await self.bridge.count_tokens(messages)
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        """Esc anywhere in the pane (the message list, a button) does what it does in the
+        message box: cancel an edit, else stop the reply. Keys reach the pane only when the
+        focused child did not use them."""
+        if event.key() == Qt.Key.Key_Escape and event.modifiers() == Qt.KeyboardModifier.NoModifier:
+            self._escape()
+            event.accept()
+            return
+        super().keyPressEvent(event)
 
     def _context_left(self) -> int | None:
         """Tokens the model's context has left after the chat so far (None: not known)."""

@@ -33,6 +33,8 @@ from app.core.session_logic import (
 from app.core.tree import MessageTree
 
 SAVE_INTERVAL_MS = 1000
+#: meta["refused"] of a reply whose prompt the model refused as longer than its context
+REFUSED_TOO_LONG = "context"
 
 
 class ChatSession(QObject):
@@ -137,13 +139,36 @@ class ChatSession(QObject):
         if self.busy:
             self.notice.emit("This chat is still answering; stop it first.")
             return False
-        parent = self.tree.active_leaf
+        parent = self.send_parent()
         meta = {"attachments": to_meta(attachments)} if attachments else None
         user = self._new_message(parent, "user", text, Status.COMPLETE, meta)
         self._reply(user.id, n=1)
         if self.title == DEFAULT_TITLE:  # after the reply is on the path: the chat has begun
             self.rename(title_from(text or attachments[0].name))
         return True
+
+    def send_parent(self) -> str | None:
+        """Where the next message goes: below the path shown, except below a message the
+        model refused as longer than its context. That one and its error stay, as a branch
+        the switcher reaches, and the chat goes on from before it; otherwise every later
+        message would carry it and be refused too (issue 25)."""
+        leaf = self.tree.active_leaf
+        if leaf is None:
+            return None
+        reply = self.tree.get(leaf)
+        if reply.meta.get("refused") == REFUSED_TOO_LONG and reply.parent_id is not None:
+            return self.tree.get(reply.parent_id).parent_id
+        return leaf
+
+    def draft_prompt(self, text: str, attachments: Sequence[Attachment] = ()) -> list[dict]:
+        """The whole prompt sending `text` now would give the model (the draft meter counts
+        it against the context limit before anything is sent)."""
+        draft = Message(id="draft", conversation_id=self.id, parent_id=None, role="user",
+                        content=text, status=Status.COMPLETE,
+                        meta={"attachments": to_meta(attachments)} if attachments else {})
+        parent = self.send_parent()
+        path = self.tree.path_to(parent) if parent is not None else []
+        return prompt_messages(self.settings.system_prompt, [*path, draft])
 
     def regenerate(self, message_id: str | None = None, n: int = 1) -> bool:
         """New reply alternative(s) for an assistant message (or a reply to a user message).
@@ -323,6 +348,9 @@ class ChatSession(QObject):
                 self.last_usage = usage
         if event.error:
             meta["error"] = event.error
+            limit = getattr(self.bridge, "max_context", None)
+            if limit and usage.get("prompt_tokens", 0) >= limit and not self.is_remote:
+                meta["refused"] = REFUSED_TOO_LONG  # the next message starts before it
         self._finish(msg, status, text, meta)
         # an engine error is shown once, in the reply it ended (not also as a notice)
         if all(i is None for i in ids):

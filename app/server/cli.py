@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
              err=True)
         return 2
 
+    from app.core import openblas
+    from app.core.model_names import model_id
     from engine import Engine, EngineConfig
+
+    blas = openblas.state()  # loaded by app.main before MLX; says so when it could not
 
     try:
         config = EngineConfig(model=args.model, kv_memory_mib=args.kv_memory_mib,
@@ -115,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         where = {"keychain": "the OS keychain (print it with `pagedchat serve --show-key`)"}
 
         def started() -> None:
-            _say(f"PagedChat API serving {engine.model_info.name} at {url}")
+            _say(f"PagedChat API serving {model_id(engine.model_info.name)} at {url}")
+            if blas.problem:
+                _say(f"WARNING: {blas.problem}", err=True)
             _say(f"API key: from {where.get(source, source)}; press Ctrl+C to stop")
 
         serve_forever(app, sock, started, log_level=args.log_level)

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from app.core.model_names import model_id
 from app.server.errors import APIError
 from app.server.keys import bearer_matches
 from app.server.params import ParsedRequest, parse_chat, parse_completion, with_max_tokens
@@ -89,7 +90,7 @@ def create_app(engine: Engine | Callable[[], Engine | None], options: ServerOpti
         _authorise(state, request)
         engine = _ready_engine(state)
         return JSONResponse({"object": "list", "data": [{
-            "id": engine.model_info.name, "object": "model", "created": 0,
+            "id": model_id(engine.model_info.name), "object": "model", "created": 0,
             "owned_by": "pagedchat",
         }]})
 
@@ -98,7 +99,7 @@ def create_app(engine: Engine | Callable[[], Engine | None], options: ServerOpti
         status = engine.status if engine is not None else "stopped"
         body = {"status": "ok" if status == "ready" else status}
         if engine is not None and engine.model_info is not None:
-            body["model"] = engine.model_info.name
+            body["model"] = model_id(engine.model_info.name)
         return JSONResponse(body, status_code=200 if status == "ready" else 503)
 
     async def chat(request: Request) -> Response:
@@ -186,10 +187,12 @@ async def _drain(request: Request) -> None:
 def _check_model(engine: Engine, state: _State, parsed: ParsedRequest) -> None:
     if parsed.model is None:
         return
-    known = (engine.model_info.name, *state.options.model_aliases)
+    # its id, and the engine's own name (what the server answered to before)
+    known = (model_id(engine.model_info.name), engine.model_info.name,
+             *state.options.model_aliases)
     if parsed.model not in known:
         raise APIError(404, f"the model {parsed.model!r} does not exist on this server; it "
-                       f"serves {engine.model_info.name!r}", param="model",
+                       f"serves {model_id(engine.model_info.name)!r}", param="model",
                        code="model_not_found")
 
 
@@ -263,7 +266,7 @@ async def _submit_and_answer(state: _State, request: Request, engine: Engine,
     handle = engine.submit(prompt_tokens=tokens, params=params,
                            session_id=session_for(parsed.user))
     state.handles.add(handle)
-    reply = Reply(chat=chat, model=engine.model_info.name, n=params.n,
+    reply = Reply(chat=chat, model=model_id(engine.model_info.name), n=params.n,
                   include_usage=parsed.include_usage)
     events = handle.stream()
     handed_over = False
