@@ -33,11 +33,13 @@ from app.chat.model_selector import ModelSelector
 from app.chat.session import ChatSession
 from app.core.rates import fmt_rate, shown_rate
 from app.core.records import Status
-from app.elided_label import ElidedLabel
+from app.elided_label import ElidedLabel, wrapped_lines
 from app.qt_util import disconnect
 from engine import EngineStatus
 
 NOTICE_MS = 8000
+TITLE_LINES = 3  # a longer title ends in "…" on its last line (the tooltip has it whole)
+DOT_ROOM = 18  # px left of the title for the header's accent dot
 
 
 def _fmt_int(n: int) -> str:
@@ -60,7 +62,8 @@ class PaneHeader(QWidget):
         p.setRenderHint(QPainter.RenderHint.Antialiasing)
         p.setPen(Qt.PenStyle.NoPen)
         p.setBrush(self.accent)
-        p.drawEllipse(QRect(12, self.height() // 2 - 5, 10, 10))
+        top = self.contentsMargins().top() + self.layout().contentsMargins().top()
+        p.drawEllipse(QRect(12, top + 7, 10, 10))  # beside the title's first line
         c = QColor(self.accent)
         c.setAlphaF(1.0 if self.focused else 0.35)
         p.setBrush(c)
@@ -95,37 +98,40 @@ class ChatPane(QFrame):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
 
+        # The title wraps at word boundaries (up to TITLE_LINES lines) beside the buttons;
+        # the model and the system prompt each have a row of the header's whole width, so
+        # four panes and the monitor at 1280 px cut neither (they read "What i…", "Local").
         self.header = PaneHeader(self)
-        h = QHBoxLayout(self.header)
-        h.setContentsMargins(30, 6, 6, 6)
+        h = QVBoxLayout(self.header)
+        h.setContentsMargins(12, 6, 6, 6)
         h.setSpacing(2)
-        titles = QVBoxLayout()
-        titles.setSpacing(0)
-        titles.setContentsMargins(0, 0, 0, 0)
+        first = QHBoxLayout()
+        first.setContentsMargins(0, 0, 0, 0)
+        first.setSpacing(2)
+        first.addSpacing(DOT_ROOM)
         self.title_label = QLabel()
         self.title_label.setObjectName("paneTitle")
         self.title_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        titles.addWidget(self.title_label)
+        self.title_label.setAccessibleName("Chat title")
+        first.addWidget(self.title_label, 1)
+        self.settings_button = self._tool_button("sliders", "Chat settings", self.open_settings)
+        self.close_button = self._tool_button("close", "Close pane", self._close_clicked)
+        first.addWidget(self.settings_button, 0, Qt.AlignmentFlag.AlignTop)
+        first.addWidget(self.close_button, 0, Qt.AlignmentFlag.AlignTop)
+        h.addLayout(first)
+        self.model_selector = ModelSelector(self)
+        self.model_selector.modelPicked.connect(self._model_picked)
+        model_row = QHBoxLayout()
+        model_row.setContentsMargins(0, 0, 0, 0)
+        model_row.addWidget(self.model_selector, 1)
+        model_row.addStretch(0)
+        h.addLayout(model_row)
         self.subtitle_label = QLabel()
         self.subtitle_label.setObjectName("paneSubtitle")
         self.subtitle_label.setSizePolicy(
             QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred
         )
-        # the chat's model on the second line, beside the system prompt (the title keeps the
-        # first line whole even in a narrow pane)
-        self.model_selector = ModelSelector(self)
-        self.model_selector.modelPicked.connect(self._model_picked)
-        second = QHBoxLayout()
-        second.setContentsMargins(0, 2, 0, 0)
-        second.setSpacing(6)
-        second.addWidget(self.model_selector, 2)
-        second.addWidget(self.subtitle_label, 1)
-        titles.addLayout(second)
-        h.addLayout(titles, 1)
-        self.settings_button = self._tool_button("sliders", "Chat settings", self.open_settings)
-        self.close_button = self._tool_button("close", "Close pane", self._close_clicked)
-        h.addWidget(self.settings_button)
-        h.addWidget(self.close_button)
+        h.addWidget(self.subtitle_label)
         layout.addWidget(self.header)
 
         self.view = MessageListView(self)
@@ -477,10 +483,11 @@ class ChatPane(QFrame):
         if self.session is None:
             return
         title = self.session.title
-        fm = self.title_label.fontMetrics()
-        self.title_label.setText(
-            fm.elidedText(title, Qt.TextElideMode.ElideRight, max(60, self.title_label.width()))
-        )
+        lines, _cut = wrapped_lines(title, self.title_label.font(),
+                                    max(60, self.title_label.width()), TITLE_LINES)
+        text = "\n".join(lines)
+        if text != self.title_label.text():
+            self.title_label.setText(text)
         self.title_label.setToolTip(title)
         prompt = " ".join(self.session.settings.system_prompt.split())
         sub = self.subtitle_label
