@@ -37,10 +37,12 @@ class DockFitter(QObject):
         self.sidebar = sidebar
         self.auto_hidden = False
         self.sidebar_auto_hidden = False
+        self.sidebar_pinned = False  # shown by the user: it does not step aside
         self.preferred_width: int | None = None  # the monitor's width before any cap
         self._pending: str | None = None  # "hide" / "show", decided when the size changed
         self._fitting = False
         self._window_resizing = False
+        self._window_width = window.width()  # as of the last fit: a change is a window resize
         self._expected: int | None = None  # a width asked of resizeDocks, not yet applied
         dock.visibilityChanged.connect(self._visibility_changed)
         dock.installEventFilter(self)
@@ -55,12 +57,13 @@ class DockFitter(QObject):
                 self._pending = "show"
             self._window_resizing = True
             QTimer.singleShot(0, self, self.fit)
-        elif obj is self.dock and event.type() == QEvent.Type.Resize:
+        elif (obj is self.dock and event.type() == QEvent.Type.Resize
+              and event.size().width() != event.oldSize().width()):
             width = event.size().width()
             if width == self._expected:
                 self._expected = None  # the width this class asked for
             elif (not self._window_resizing and not self._fitting and self.dock.isVisible()
-                  and not self.dock.isFloating()):
+                  and not self.dock.isFloating() and self.window.width() == self._window_width):
                 self.preferred_width = width  # the user dragged its edge
         return False
 
@@ -74,17 +77,20 @@ class DockFitter(QObject):
             self.auto_hidden = False  # the user showed it: it stays, at any size
             if self._pending == "hide":
                 self._pending = None
+            self._cap()  # before it is painted at the width it had
             QTimer.singleShot(0, self, self._cap)
 
-    def sidebar_set_by_user(self) -> None:
+    def sidebar_set_by_user(self, shown: bool) -> None:
         """The user showed or hid the sidebar: it stays so until they change it again."""
         self.sidebar_auto_hidden = False
+        self.sidebar_pinned = shown
         if self.window.statusBar().currentMessage() == SIDEBAR_HINT:
             self.window.statusBar().clearMessage()
 
     def fit(self) -> None:
         pending, self._pending = self._pending, None
         self._window_resizing = False
+        self._window_width = self.window.width()
         self._fitting = True
         try:
             if pending == "hide" and not self.dock.isFloating() and self.dock.isVisible():
@@ -117,7 +123,7 @@ class DockFitter(QObject):
             return
         need = self._pane_count() * PANE_ROOM
         room = self.window.width() - self._docked_width()
-        if bar.isVisible() and room - bar.width() < need:
+        if bar.isVisible() and not self.sidebar_pinned and room - bar.width() < need:
             self.sidebar_auto_hidden = True
             self.window.toggle_sidebar(False, by_user=False)
             self.window.statusBar().showMessage(SIDEBAR_HINT, 8000)

@@ -312,7 +312,7 @@ class MainWindow(QMainWindow):
         self.sidebar.setVisible(on)
         fitter = getattr(self, "dock_fitter", None)  # (made after the layout is restored)
         if by_user and fitter is not None:
-            fitter.sidebar_set_by_user()
+            fitter.sidebar_set_by_user(on)
 
     def about(self) -> None:
         QMessageBox.about(

@@ -56,14 +56,18 @@ class PaneHeader(QWidget):
         self.focused = False
         self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
 
+    def dot_rect(self) -> QRect:
+        """The accent dot, beside the title's first line (the title may wrap)."""
+        top = self.contentsMargins().top() + self.layout().contentsMargins().top()
+        return QRect(12, top + 7, 10, 10)
+
     def paintEvent(self, event: QPaintEvent) -> None:
         super().paintEvent(event)
         p = QPainter(self)
         p.setRenderHint(QPainter.RenderHint.Antialiasing)
         p.setPen(Qt.PenStyle.NoPen)
         p.setBrush(self.accent)
-        top = self.contentsMargins().top() + self.layout().contentsMargins().top()
-        p.drawEllipse(QRect(12, top + 7, 10, 10))  # beside the title's first line
+        p.drawEllipse(self.dot_rect())
         c = QColor(self.accent)
         c.setAlphaF(1.0 if self.focused else 0.35)
         p.setBrush(c)
@@ -205,6 +209,7 @@ class ChatPane(QFrame):
 
         for w in (self.input, self.view, self.send_button, self.settings_button, self.close_button):
             w.installEventFilter(self)
+        self.title_label.installEventFilter(self)
 
     def _tool_button(self, icon_name: str, name: str, slot: Any) -> QToolButton:
         b = QToolButton(self)
@@ -339,6 +344,8 @@ class ChatPane(QFrame):
     def eventFilter(self, obj: QObject, event: QEvent) -> bool:
         if event.type() == QEvent.Type.Resize and obj is self.view.viewport():
             self.empty_label.setGeometry(self.view.viewport().rect())
+        if event.type() == QEvent.Type.Resize and obj is self.title_label:
+            self._update_title()  # wrapped anew at the label's own width (set after the pane's)
         if event.type() == QEvent.Type.FocusIn:
             self.focusedIn.emit(self)
         return False
