@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QEvent, Qt
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
-from PySide6.QtWidgets import QMainWindow, QMenu, QSizePolicy, QToolBar, QWidget
+from PySide6.QtWidgets import QApplication, QMainWindow, QMenu, QSizePolicy, QToolBar, QWidget
 
 from app import icons
 from app.pane_deck import MAX_PANES
@@ -235,4 +235,11 @@ def build_toolbar(window: QMainWindow, actions: dict[str, QAction], lead: QWidge
         if w is not None:
             w.setAccessibleName(actions[key].iconText())
     window.addToolBar(Qt.ToolBarArea.TopToolBarArea, tb)
+    # QToolBar takes its margins from the style while it is made, before it has the name the
+    # stylesheet's padding is keyed on (and the style caches the rules it matched then); the
+    # first theme switch recomputed them and everything below the toolbar moved down 12 px.
+    # Match the rules again under the name and recompute the margins, as a style change does.
+    tb.style().unpolish(tb)
+    tb.style().polish(tb)
+    QApplication.sendEvent(tb, QEvent(QEvent.Type.StyleChange))
     return tb

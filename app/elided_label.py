@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import QSize, Qt
-from PySide6.QtGui import QPainter
+from PySide6.QtGui import QFont, QFontMetrics, QPainter, QTextLayout, QTextOption
 from PySide6.QtWidgets import QLabel, QSizePolicy, QStyle, QStyleOption
 
 
@@ -43,3 +43,34 @@ class ElidedLabel(QLabel):
         p.setFont(self.font())
         p.drawText(self.contentsRect(), int(self.alignment()), self.displayed_text())
         p.end()
+
+
+def wrapped_lines(text: str, font: QFont, width: int, max_lines: int) -> tuple[list[str], bool]:
+    """`text` broken into lines of at most `width` px at word boundaries (never inside a
+    word), at most `max_lines` of them; the last one ends in "…" when the rest does not fit
+    (then the second value is True). A word wider than a line is elided, not broken."""
+    layout = QTextLayout(text, font)
+    option = QTextOption()
+    option.setWrapMode(QTextOption.WrapMode.WordWrap)
+    layout.setTextOption(option)
+    spans: list[tuple[int, int]] = []
+    layout.beginLayout()
+    while True:
+        line = layout.createLine()
+        if not line.isValid():
+            break
+        line.setLineWidth(max(1, width))
+        spans.append((line.textStart(), line.textLength()))
+    layout.endLayout()
+    fm = QFontMetrics(font)
+    lines: list[str] = []
+    elided = False
+    for i, (start, length) in enumerate(spans):
+        last = i == max_lines - 1
+        piece = (text[start:] if last else text[start:start + length]).strip()
+        shown = fm.elidedText(piece, Qt.TextElideMode.ElideRight, max(1, width))
+        elided = elided or shown != piece
+        lines.append(shown)
+        if last:
+            break
+    return lines, elided

@@ -88,7 +88,8 @@ class MainWindow(QMainWindow):
         self.server_panel = ServerPanel(self, store, bridge)
         self.server_panel.install()
         self.restore_layout()
-        self.dock_fitter = DockFitter(self, self.monitor_dock)
+        self.dock_fitter = DockFitter(self, self.monitor_dock, self.sidebar)
+        self.deck.countChanged.connect(lambda _n: QTimer.singleShot(0, self.dock_fitter.fit))
         self.settings_flow.show_status(bridge.status)
 
     # ---- construction --------------------------------------------------------------------
@@ -334,10 +335,13 @@ class MainWindow(QMainWindow):
         if pane is not None and message_id is not None:
             pane.reveal_message(message_id)
 
-    def toggle_sidebar(self, checked: bool | None = None) -> None:
+    def toggle_sidebar(self, checked: bool | None = None, by_user: bool = True) -> None:
         on = self.act_sidebar.isChecked() if checked is None else bool(checked)
         self.act_sidebar.setChecked(on)
         self.sidebar.setVisible(on)
+        fitter = getattr(self, "dock_fitter", None)  # (made after the layout is restored)
+        if by_user and fitter is not None:
+            fitter.sidebar_set_by_user(on)
 
     def about(self) -> None:
         QMessageBox.about(
@@ -378,10 +382,17 @@ class MainWindow(QMainWindow):
                 "state": to_b64(self.saveState()),
                 "main_splitter": to_b64(self.main_splitter.saveState()),
                 **self.deck.state(),
-                "sidebar": self.sidebar.isVisibleTo(self) if self.isVisible() else True,
+                "sidebar": self._sidebar_wanted(),
                 "compare": self.act_send_all.isChecked(),
             },
         )
+
+    def _sidebar_wanted(self) -> bool:
+        """Saved as shown unless the user hid it (stepping aside for room is not a choice)."""
+        fitter = getattr(self, "dock_fitter", None)
+        if not self.isVisible() or (fitter is not None and fitter.sidebar_auto_hidden):
+            return True
+        return self.sidebar.isVisibleTo(self)
 
     def restore_layout(self) -> None:
         layout = self.store.get_value(LAYOUT_KEY, {}) or {}

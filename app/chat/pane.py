@@ -35,11 +35,13 @@ from app.chat.session import ChatSession
 from app.core.model_names import model_id
 from app.core.rates import fmt_rate, shown_rate
 from app.core.records import Status
-from app.elided_label import ElidedLabel
+from app.elided_label import ElidedLabel, wrapped_lines
 from app.qt_util import disconnect
 from engine import EngineStatus
 
 NOTICE_MS = 8000
+TITLE_LINES = 3  # a longer title ends in "…" on its last line (the tooltip has it whole)
+DOT_ROOM = 18  # px left of the title for the header's accent dot
 
 
 def _fmt_int(n: int) -> str:
@@ -56,13 +58,18 @@ class PaneHeader(QWidget):
         self.focused = False
         self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
 
+    def dot_rect(self) -> QRect:
+        """The accent dot, beside the title's first line (the title may wrap)."""
+        top = self.contentsMargins().top() + self.layout().contentsMargins().top()
+        return QRect(12, top + 7, 10, 10)
+
     def paintEvent(self, event: QPaintEvent) -> None:
         super().paintEvent(event)
         p = QPainter(self)
         p.setRenderHint(QPainter.RenderHint.Antialiasing)
         p.setPen(Qt.PenStyle.NoPen)
         p.setBrush(self.accent)
-        p.drawEllipse(QRect(12, self.height() // 2 - 5, 10, 10))
+        p.drawEllipse(self.dot_rect())
         c = QColor(self.accent)
         c.setAlphaF(1.0 if self.focused else 0.35)
         p.setBrush(c)
@@ -97,37 +104,40 @@ class ChatPane(QFrame):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
 
+        # The title wraps at word boundaries (up to TITLE_LINES lines) beside the buttons;
+        # the model and the system prompt each have a row of the header's whole width, so
+        # four panes and the monitor at 1280 px cut neither (they read "What i…", "Local").
         self.header = PaneHeader(self)
-        h = QHBoxLayout(self.header)
-        h.setContentsMargins(30, 6, 6, 6)
+        h = QVBoxLayout(self.header)
+        h.setContentsMargins(12, 6, 6, 6)
         h.setSpacing(2)
-        titles = QVBoxLayout()
-        titles.setSpacing(0)
-        titles.setContentsMargins(0, 0, 0, 0)
+        first = QHBoxLayout()
+        first.setContentsMargins(0, 0, 0, 0)
+        first.setSpacing(2)
+        first.addSpacing(DOT_ROOM)
         self.title_label = QLabel()
         self.title_label.setObjectName("paneTitle")
         self.title_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        titles.addWidget(self.title_label)
+        self.title_label.setAccessibleName("Chat title")
+        first.addWidget(self.title_label, 1)
+        self.settings_button = self._tool_button("sliders", "Chat settings", self.open_settings)
+        self.close_button = self._tool_button("close", "Close pane", self._close_clicked)
+        first.addWidget(self.settings_button, 0, Qt.AlignmentFlag.AlignTop)
+        first.addWidget(self.close_button, 0, Qt.AlignmentFlag.AlignTop)
+        h.addLayout(first)
+        self.model_selector = ModelSelector(self)
+        self.model_selector.modelPicked.connect(self._model_picked)
+        model_row = QHBoxLayout()
+        model_row.setContentsMargins(0, 0, 0, 0)
+        model_row.addWidget(self.model_selector, 1)
+        model_row.addStretch(0)
+        h.addLayout(model_row)
         self.subtitle_label = QLabel()
         self.subtitle_label.setObjectName("paneSubtitle")
         self.subtitle_label.setSizePolicy(
             QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred
         )
-        # the chat's model on the second line, beside the system prompt (the title keeps the
-        # first line whole even in a narrow pane)
-        self.model_selector = ModelSelector(self)
-        self.model_selector.modelPicked.connect(self._model_picked)
-        second = QHBoxLayout()
-        second.setContentsMargins(0, 2, 0, 0)
-        second.setSpacing(6)
-        second.addWidget(self.model_selector, 2)
-        second.addWidget(self.subtitle_label, 1)
-        titles.addLayout(second)
-        h.addLayout(titles, 1)
-        self.settings_button = self._tool_button("sliders", "Chat settings", self.open_settings)
-        self.close_button = self._tool_button("close", "Close pane", self._close_clicked)
-        h.addWidget(self.settings_button)
-        h.addWidget(self.close_button)
+        h.addWidget(self.subtitle_label)
         layout.addWidget(self.header)
 
         self.view = MessageListView(self)
@@ -210,6 +220,7 @@ class ChatPane(QFrame):
 
         for w in (self.input, self.view, self.send_button, self.settings_button, self.close_button):
             w.installEventFilter(self)
+        self.title_label.installEventFilter(self)
 
     def _tool_button(self, icon_name: str, name: str, slot: Any) -> QToolButton:
         b = QToolButton(self)
@@ -354,6 +365,8 @@ class ChatPane(QFrame):
             return True
         if event.type() == QEvent.Type.Resize and obj is self.view.viewport():
             self.empty_label.setGeometry(self.view.viewport().rect())
+        if event.type() == QEvent.Type.Resize and obj is self.title_label:
+            self._update_title()  # wrapped anew at the label's own width (set after the pane's)
         if event.type() == QEvent.Type.FocusIn:
             self.focusedIn.emit(self)
         return False
@@ -521,10 +534,11 @@ class ChatPane(QFrame):
         if self.session is None:
             return
         title = self.session.title
-        fm = self.title_label.fontMetrics()
-        self.title_label.setText(
-            fm.elidedText(title, Qt.TextElideMode.ElideRight, max(60, self.title_label.width()))
-        )
+        lines, _cut = wrapped_lines(title, self.title_label.font(),
+                                    max(60, self.title_label.width()), TITLE_LINES)
+        text = "\n".join(lines)
+        if text != self.title_label.text():
+            self.title_label.setText(text)
         self.title_label.setToolTip(title)
         prompt = " ".join(self.session.settings.system_prompt.split())
         sub = self.subtitle_label

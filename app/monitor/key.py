@@ -7,6 +7,7 @@ they are rasterised with the map's own code and palette, not imitated.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from PySide6.QtCore import QPoint, QRectF, QSize, Qt
@@ -118,6 +119,16 @@ class MapKey(QWidget):
 
     def sizeHint(self) -> QSize:
         return QSize(360, self.heightForWidth(360))
+
+    def minimumSizeHint(self) -> QSize:
+        """Never shorter than its rows at its width: in a narrow monitor (four panes at
+        1280 px) the panel's layout squeezed it to one row and the rest of the key vanished."""
+        return QSize(0, self.heightForWidth(self.width() if self.width() > 1 else 360))
+
+    def resizeEvent(self, event: Any) -> None:
+        super().resizeEvent(event)
+        if event.oldSize().width() != event.size().width():
+            self.updateGeometry()  # rows may have wrapped or joined
 
     def _swatches(self) -> dict[str, QImage]:
         """The swatch images, rasterised once per palette and pixel ratio."""

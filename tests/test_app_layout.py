@@ -1,0 +1,109 @@
+"""Issue 25 item 4, a layout that holds: four panes and the monitor at 1280 px cut no header
+text, the side panels step aside when room is short, a theme switch moves nothing, and a
+window made small and large again gets its monitor back at its width. Offscreen, on the real
+main window; the walk-through checks the same on a real X server with the real model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QApplication
+
+from app.core.store import Store
+from app.dock_fit import SIDEBAR_HINT
+from app.theme import theme_manager
+from tests.app_helpers import engineless_window
+from tests.layout_checks import header_cuts, settled_geometries
+from tests.user_path import activate, shortcut
+
+TITLES = ("What is the capital of France?", "Explain paged attention simply",
+          "Write a haiku about autumn leaves", "Compare Python and Rust for CLIs")
+SPLIT = Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier
+
+
+@pytest.fixture
+def window(qtbot, qasync_loop, app_env):
+    with engineless_window(qtbot, Store(app_env)) as w:
+        yield w
+
+
+@pytest.fixture
+def restores_the_style():
+    app = QApplication.instance()
+    style, palette, sheet = app.style().name(), app.palette(), app.styleSheet()
+    yield
+    app.setStyle(style)
+    app.setPalette(palette)
+    app.setStyleSheet(sheet)
+
+
+def _four_titled_panes(qtbot, window):
+    activate(qtbot, window)
+    for _ in range(3):
+        qtbot.keyClick(window, Qt.Key.Key_N, SPLIT)  # File ▸ New Pane
+    assert len(window.panes) == 4
+    # the model the real app names in every header (the embedded default, as it loads)
+    window.bridge._model_info = SimpleNamespace(name="SmolLM2-135M-Instruct (fp32)",
+                                                max_context=8192)
+    for pane, title in zip(window.panes, TITLES):
+        window.manager.rename(pane.session.id, title)
+        pane.refresh_models()
+
+
+def test_four_panes_and_the_monitor_at_1280_px_cut_no_header_text(window, qtbot):
+    window.resize(1280, 800)
+    qtbot.waitUntil(lambda: window.width() == 1280 and window.monitor_dock.isVisible())
+    _four_titled_panes(qtbot, window)
+    # the sidebar steps aside (and says how to get it back); the monitor stays
+    qtbot.waitUntil(lambda: not window.sidebar.isVisible())
+    assert window.statusBar().currentMessage() == SIDEBAR_HINT
+    assert window.monitor_dock.isVisible() and window.width() == 1280
+    qtbot.waitUntil(lambda: not any(header_cuts(p) for p in window.panes))
+    assert window.panes[0].model_selector.currentText().startswith("Local · SmolLM2")
+    # Ctrl+Shift+S brings it back: the user's choice holds, at the cost of narrower panes
+    shortcut(qtbot, window, window.act_sidebar)
+    assert window.sidebar.isVisible()
+    window.resize(1281, 800)
+    qtbot.waitUntil(lambda: window.width() == 1281)
+    QApplication.processEvents()
+    assert window.sidebar.isVisible()
+    # fewer panes: room again, and a sidebar the window hid comes back by itself
+    shortcut(qtbot, window, window.act_sidebar)
+    assert not window.sidebar.isVisible()
+    window.dock_fitter.sidebar_auto_hidden = True  # as the window left it
+    for _ in range(3):
+        window.close_focused_pane()
+    qtbot.waitUntil(window.sidebar.isVisible)
+
+
+@pytest.mark.parametrize("theme", ["dark", "light"])
+def test_a_theme_switch_moves_no_widget(qtbot, qasync_loop, app_env, theme,
+                                        restores_the_style):
+    """The first switch after launch moved everything under the toolbar down 12 px (the
+    toolbar took its stylesheet padding only then)."""
+    theme_manager().apply("light")  # what the app does at launch, before the window
+    with engineless_window(qtbot, Store(app_env), size=(1280, 800)) as w:
+        _four_titled_panes(qtbot, w)
+        before = settled_geometries(qtbot, w)
+        with qtbot.waitSignal(theme_manager().changed):
+            w.theme_actions[theme].trigger()  # View ▸ Theme
+        after = settled_geometries(qtbot, w)
+        moved = {k: (v, after.get(k)) for k, v in before.items() if after.get(k) != v}
+        assert not moved, {k.split("/")[-1]: v for k, v in moved.items()}
+
+
+def test_the_monitor_comes_back_at_its_width_after_a_resize_and_restore(window, qtbot):
+    window.resize(1500, 900)
+    qtbot.waitUntil(lambda: window.width() == 1500 and window.monitor_dock.isVisible())
+    QApplication.processEvents()
+    width = window.monitor_dock.width()
+    for small in (1100, 800):  # capped to a share of a smaller window; hidden at 800
+        window.resize(small, 700)
+        qtbot.waitUntil(lambda small=small: window.width() == small)
+        qtbot.waitUntil(lambda: not window.monitor_dock.isVisible()
+                        or window.monitor_dock.width() < width)
+        window.resize(1500, 900)
+        qtbot.waitUntil(lambda: window.width() == 1500 and window.monitor_dock.isVisible())
+        qtbot.waitUntil(lambda: window.monitor_dock.width() == width, timeout=3000)
