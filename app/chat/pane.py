@@ -23,7 +23,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import colors, icons
 from app.chat.attachment_bar import AttachmentBar
 from app.chat.chat_settings_dialog import ChatSettingsDialog
 from app.chat.input_box import InputBox
@@ -33,8 +32,9 @@ from app.chat.model_selector import ModelSelector
 from app.chat.session import ChatSession
 from app.core.rates import fmt_rate, shown_rate
 from app.core.records import Status
-from app.elided_label import ElidedLabel
-from app.qt_util import disconnect
+from app.ui import colors, icons
+from app.ui.elided_label import ElidedLabel
+from app.ui.qt_util import disconnect
 from engine import EngineStatus
 
 NOTICE_MS = 8000

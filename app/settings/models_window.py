@@ -33,7 +33,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.confirm import confirm_destructive
 from app.core import model_catalog
 from app.core.downloads import (
     Download,
@@ -43,6 +42,7 @@ from app.core.downloads import (
     is_partial,
 )
 from app.core.model_catalog import CURATED, SOURCE_LABELS, CuratedModel, InstalledModel
+from app.ui.confirm import confirm_destructive
 
 PROGRESS_STEPS = 1000
 

@@ -17,9 +17,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import icons
+from app.bridges.engine_bridge import IDLE
 from app.chat.input_box import InputBox
-from app.engine_bridge import IDLE
+from app.ui import icons
 from engine import EngineStatus
 
 
