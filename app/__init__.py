@@ -1,12 +1,11 @@
 """PagedChat desktop application (PySide6 + qasync).
 
-Layers, top to bottom (pyproject.toml's import contracts keep them): main (entry) > self_test,
-demo > main_window > actions (the command table) > pane_deck, banners, settings_flow > chat/,
-monitor/,
-sidebar, settings_dialog > forms, engine_bridge (the only door to the engine), theme > small
-Qt helpers (icons, colors, resources, qt_util, display, qt_compat) > core/ (no Qt at all).
+Rooms, top to bottom (pyproject.toml's import contracts keep them; docs/ARCHITECTURE.md
+§6.1): main (entry) > self_test, demo > window > library > chat, monitor > settings >
+bridges (the only doors to the engine and to remote providers), startup, ui (small Qt
+helpers) > core (no Qt at all), server (the OpenAI-compatible server, no Qt).
 """
 
-from app import qt_compat
+from app.ui import qt_compat
 
-qt_compat.apply()  # before any signal is emitted: see app/qt_compat.py
+qt_compat.apply()  # before any signal is emitted: see app/ui/qt_compat.py

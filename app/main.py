@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.screenshot and not args.demo:
         parser.error("--screenshot needs --demo")
 
-    from app.display import no_display_problem
+    from app.ui.display import no_display_problem
 
     problem = no_display_problem()
     if problem:
@@ -108,15 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     import qasync
     from PySide6.QtWidgets import QApplication
 
+    from app.bridges.engine_bridge import EngineBridge
     from app.core import secrets
     from app.core.app_settings import AppSettings
-    from app.data_folder import claim, close_store, open_store
-    from app.display import quiet_offscreen_warnings
-    from app.engine_bridge import EngineBridge
-    from app.main_window import MainWindow
-    from app.resources import app_icon
-    from app.single_instance import bring_to_front
-    from app.theme import theme_manager
+    from app.startup.data_folder import claim, close_store, open_store
+    from app.startup.single_instance import bring_to_front
+    from app.ui.display import quiet_offscreen_warnings
+    from app.ui.resources import app_icon
+    from app.ui.theme import theme_manager
+    from app.window.main_window import MainWindow
 
     quiet_offscreen_warnings()
     share_the_gil()

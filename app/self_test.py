@@ -7,7 +7,7 @@ self-test runs the same code paths a user's first launch runs, without a display
 touching the user's chats:
 
 1. resources: the app icon, both themes and the Metal shader source are found through the
-   resource locators (app/resources.py, engine/kernel_plans.py) and the shader parses;
+   resource locators (app/ui/resources.py, engine/kernel_plans.py) and the shader parses;
 2. engine: the default model loads (converted into the cache folder on first use) and the
    paged engine answers a fixed question greedily through the public ``engine`` API;
 3. window: the real main window opens off screen on a throw-away data folder, its engine
@@ -69,7 +69,7 @@ class SelfTestResult:
 
 def check_resources() -> None:
     """Every file the app and the engine read at run time is where the locators look."""
-    from app.resources import app_icon_path, resources_dir
+    from app.ui.resources import app_icon_path, resources_dir
     from engine import kernels
 
     missing = [
@@ -143,13 +143,13 @@ def open_window(engine: object) -> None:
     import qasync
     from PySide6.QtWidgets import QApplication
 
+    from app.bridges.engine_bridge import EngineBridge
     from app.core.app_settings import AppSettings
     from app.core.store import Store
-    from app.data_folder import claim
-    from app.engine_bridge import EngineBridge
-    from app.main_window import MainWindow
-    from app.resources import app_icon
-    from app.theme import theme_manager
+    from app.startup.data_folder import claim
+    from app.ui.resources import app_icon
+    from app.ui.theme import theme_manager
+    from app.window.main_window import MainWindow
     from engine import EngineStatus
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
@@ -223,7 +223,7 @@ def run_self_test() -> SelfTestResult:
 def main() -> int:
     """Entry for ``pagedchat --self-test``: print the one-line result, return the exit code."""
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    from app.display import quiet_offscreen_warnings
+    from app.ui.display import quiet_offscreen_warnings
 
     quiet_offscreen_warnings()
     result = run_self_test()

@@ -41,10 +41,10 @@ def percentile(values: list[float], q: float) -> float:
 async def run(args: argparse.Namespace) -> dict:
     from PySide6.QtCore import Qt, QTimer
 
+    from app.bridges.engine_bridge import EngineBridge
     from app.core.records import ChatSettings
     from app.core.store import Store
-    from app.engine_bridge import EngineBridge
-    from app.main_window import MainWindow
+    from app.window.main_window import MainWindow
     from engine import EngineConfig, EngineStatus, SamplingParams
 
     data = Path(tempfile.mkdtemp(prefix="pagedchat-bench-"))
@@ -140,7 +140,7 @@ def main() -> int:
     import qasync
     from PySide6.QtWidgets import QApplication
 
-    import app  # noqa: F401  (PySide6 workaround, see app/qt_compat.py)
+    import app  # noqa: F401  (PySide6 workaround, see app/ui/qt_compat.py)
     from app.main import share_the_gil
 
     if not args.default_switch_interval:

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from app.bridges.engine_bridge import EngineBridge
 from app.core.app_settings import AppSettings
 from app.core.records import ChatSettings, Status
 from app.core.store import Store
-from app.engine_bridge import EngineBridge
-from app.main_window import MainWindow
+from app.window.main_window import MainWindow
 from engine import SamplingParams
 
 WAIT_MS = int(os.environ.get("PAGEDCHAT_TEST_WAIT_MS", "240000"))  # CI machines are slow

@@ -11,12 +11,12 @@ from PySide6.QtCore import QEvent, QObject, QPoint, Qt
 from PySide6.QtGui import QColor, QContextMenuEvent
 from PySide6.QtWidgets import QApplication, QMessageBox, QToolButton
 
+from app.bridges.engine_bridge import EngineBridge
 from app.core.store import Store
-from app.engine_bridge import EngineBridge
-from app.main_window import MainWindow
+from app.window.main_window import MainWindow
 from tests.app_helpers import engineless_window
-from tests.layout_checks import settled_geometries
 from tests.gui_helpers import click_button, trigger_menu_item, when_modal, when_popup_menu
+from tests.layout_checks import settled_geometries
 
 
 @pytest.fixture
@@ -144,7 +144,7 @@ def _colours_on_screen(qtbot, window, ids):
 
 
 def test_chat_colours_survive_a_relaunch(qtbot, qasync_loop, app_env):
-    from app import colors
+    from app.ui import colors
 
     store = Store(app_env)
     w = MainWindow(store, EngineBridge())
@@ -186,7 +186,7 @@ def test_chat_colours_survive_a_relaunch(qtbot, qasync_loop, app_env):
 
 
 def test_a_reused_pane_takes_the_new_chats_colour(window, qtbot):
-    from app import colors
+    from app.ui import colors
 
     pane = window.focused_pane
     pane.send("the first chat")
@@ -675,7 +675,7 @@ def test_a_message_action_tooltip_stays_while_hovered(window, qtbot):
 def test_the_monitor_dock_can_be_closed_in_both_themes(window, qtbot):
     from PySide6.QtWidgets import QAbstractButton
 
-    from app.theme import theme_manager
+    from app.ui.theme import theme_manager
 
     for theme in ("light", "dark", "light"):
         with qtbot.waitSignal(theme_manager().changed):
@@ -710,7 +710,7 @@ def _cached_vs_free(window, qtbot, theme):
     cell}, read from the real block map's pixels in `theme`."""
     import numpy as np
 
-    from app import colors
+    from app.ui import colors
     from tests.test_monitor_units import snapshot, stats
 
     window.theme_actions[theme].trigger()  # View ▸ Theme

@@ -12,8 +12,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
 from app.core.store import Store
-from app.dock_fit import SIDEBAR_HINT
-from app.theme import theme_manager
+from app.ui.theme import theme_manager
+from app.window.dock_fit import SIDEBAR_HINT
 from tests.app_helpers import engineless_window
 from tests.layout_checks import header_cuts, settled_geometries
 from tests.user_path import activate, shortcut

@@ -242,7 +242,7 @@ def open_settings_and(qtbot, window, answer) -> list:
     """Open Settings with its shortcut and let ``answer(dialog)`` act in the modal dialog
     (which must end it); the dialog is cancelled if ``answer`` fails, so a failure never
     leaves a modal loop running. Returns whatever ``answer`` returned, in a list."""
-    from app.settings_dialog import SettingsDialog
+    from app.settings.dialog import SettingsDialog
 
     results = []
 
@@ -346,9 +346,9 @@ def test_invalid_settings_are_refused_with_a_message(qtbot, qasync_loop, app_env
 
 
 def test_a_model_folder_that_does_not_exist(qtbot, qasync_loop, app_env, app_engine, tmp_path):
+    from app.bridges.engine_bridge import EngineBridge
     from app.core.store import Store
-    from app.engine_bridge import EngineBridge
-    from app.main_window import MainWindow
+    from app.window.main_window import MainWindow
     from engine import EngineConfig
 
     # in the settings dialog: refused with a message, nothing changes
@@ -399,10 +399,10 @@ def test_a_model_folder_that_does_not_exist(qtbot, qasync_loop, app_env, app_eng
 
 
 def test_changing_the_pool_restarts_the_engine_and_chats_survive(qtbot, qasync_loop, app_env):
+    from app.bridges.engine_bridge import EngineBridge
     from app.core.app_settings import AppSettings
     from app.core.store import Store
-    from app.engine_bridge import EngineBridge
-    from app.main_window import MainWindow
+    from app.window.main_window import MainWindow
 
     store = Store(app_env)
     settings = AppSettings(kv_memory_mib=24.0)

@@ -11,7 +11,7 @@ from PySide6.QtWidgets import QDialog, QDialogButtonBox
 
 from app.core.app_settings import AppSettings
 from app.core.records import ChatSettings
-from app.forms import NOT_IN_FORM, SAMPLING_UI
+from app.settings.forms import NOT_IN_FORM, SAMPLING_UI
 from engine import EngineConfig, SamplingParams
 
 

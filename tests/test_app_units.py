@@ -13,8 +13,8 @@ from app.chat.markdown import StreamingRenderer, render_markdown, stable_split
 from app.core.records import ChatSettings, Message, Status
 from app.core.store import Store
 from app.core.tree import MessageTree
-from app.display import no_display_problem
-from app.theme import MARKDOWN_LIGHT
+from app.ui.display import no_display_problem
+from app.ui.theme import MARKDOWN_LIGHT
 from engine import SamplingParams
 
 
@@ -144,12 +144,12 @@ def test_no_display_message():
 
 def test_pyside_refcount_leaks_cannot_exhaust_singletons(qapp):
     """PySide6 6.12 drops a reference to True per emit and to None per void call (on 3.11);
-    app.qt_compat must make that harmless."""
+    app.ui.qt_compat must make that harmless."""
     from PySide6.QtCore import QObject, Signal
     from PySide6.QtWidgets import QLabel
 
     import app  # noqa: F401  (applies the workaround)
-    from app.qt_compat import leaked_references
+    from app.ui.qt_compat import leaked_references
 
     class Probe(QObject):
         ping = Signal(bool)

@@ -7,8 +7,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QAbstractButton, QWidget
 
 from app.core.store import Store
-from app.main_window import MAX_PANES
-from app.theme import theme_manager
+from app.ui.theme import theme_manager
+from app.window.main_window import MAX_PANES
 from tests.app_helpers import engineless_window
 from tests.user_path import (
     answer_message_box,
@@ -148,7 +148,7 @@ def _menu_at(window, path: str):
 
 
 def test_every_row_of_the_action_table_is_wired_to_the_window_and_its_menu(window):
-    from app.actions import ACTIONS, TOOLBAR
+    from app.window.actions import ACTIONS, TOOLBAR
 
     def resolve(path: str):  # "focused_pane.stop": through today's window
         target = window
@@ -260,7 +260,7 @@ def test_a_hugging_face_repo_with_a_token_from_settings(window, qtbot, monkeypat
     import huggingface_hub
     from PySide6.QtWidgets import QDialogButtonBox
 
-    from app.settings_dialog import SettingsDialog
+    from app.settings.dialog import SettingsDialog
     from tests.user_path import answer_modal, click_button
 
     monkeypatch.delenv("HF_TOKEN", raising=False)  # restored after the test

@@ -10,11 +10,11 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QComboBox, QDialogButtonBox, QFileDialog, QLineEdit, QMessageBox
 
-from app import library_dialogs
+from app.bridges.engine_bridge import EngineBridge
 from app.core import exchange
 from app.core.store import Store
-from app.engine_bridge import EngineBridge
-from app.main_window import MainWindow
+from app.library import dialogs as library_dialogs
+from app.window.main_window import MainWindow
 from tests.library_helpers import build_chat, canonical
 from tests.user_path import answer_modal
 

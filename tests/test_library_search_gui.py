@@ -11,7 +11,7 @@ from PySide6.QtWidgets import QApplication
 
 from app.core.records import Message, new_id
 from app.core.store import Store
-from app.search_results import HitRole
+from app.library.search_results import HitRole
 from tests.app_helpers import engineless_window
 
 

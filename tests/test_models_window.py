@@ -19,7 +19,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
 
 from app.core import downloads
-from app.models_window import PROGRESS_STEPS, ModelsWindow, human_bytes, human_count
+from app.settings.models_window import PROGRESS_STEPS, ModelsWindow, human_bytes, human_count
 from engine import Engine, EngineConfig
 from tests.app_helpers import WAIT_MS, open_window
 from tests.gui_helpers import click_button, when_modal

@@ -15,11 +15,11 @@ from PySide6.QtCore import QEvent, QPointF, Qt
 from PySide6.QtGui import QEnterEvent, QHelpEvent
 from PySide6.QtWidgets import QApplication, QToolTip
 
-from app import colors
 from app.monitor.legend import BLOCKS, SHARED, STATE
 from app.monitor.monitor import MonitorPanel
 from app.monitor.pool_state import CATEGORY_NAMES
 from app.monitor.tooltip import visible_text
+from app.ui import colors
 from tests.app_helpers import WAIT_MS, greedy, open_window, wait_idle
 
 pytestmark = pytest.mark.model
@@ -288,7 +288,7 @@ def test_tooltip_names_the_block_its_owner_and_its_text(harness, qtbot, app_engi
 
 
 def test_a_small_pool_shows_preemption_in_the_legend(qtbot, qasync_loop):
-    from app.engine_bridge import EngineBridge
+    from app.bridges.engine_bridge import EngineBridge
     from app.monitor import create_monitor
     from engine import Engine, EngineConfig, SamplingParams
 

@@ -280,7 +280,7 @@ def block_map(qtbot):
 
 
 def test_block_map_draws_what_the_snapshot_says(block_map):
-    from app import colors
+    from app.ui import colors
 
     snap = snapshot(EIGHT)
     block_map.set_snapshot(snap)

@@ -20,7 +20,7 @@ def wheel(widget, dy: int, modifiers=Qt.KeyboardModifier.NoModifier) -> bool:
 
 
 def test_zoom_by_buttons_keys_and_ctrl_wheel(qtbot, qasync_loop, app_env):
-    from app.engine_bridge import EngineBridge
+    from app.bridges.engine_bridge import EngineBridge
     from app.monitor import create_monitor
 
     bridge = EngineBridge()

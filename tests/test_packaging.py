@@ -33,7 +33,7 @@ RTHOOK = ROOT / "packaging" / "rthook_openblas.py"
 
 
 def test_locators_find_files_in_the_source_tree() -> None:
-    from app.resources import app_icon_path, resource_path, resources_dir
+    from app.ui.resources import app_icon_path, resource_path, resources_dir
     from engine import kernels
 
     assert resources_dir() == ROOT / "resources"
@@ -66,7 +66,7 @@ def test_locators_find_files_in_a_frozen_linux_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """dist/PagedChat/PagedChat with its files under dist/PagedChat/_internal (_MEIPASS)."""
-    from app.resources import app_icon_path, resource_path, resources_dir
+    from app.ui.resources import app_icon_path, resource_path, resources_dir
     from engine import default_model, kernel_plans
 
     internal = tmp_path / "PagedChat" / "_internal"
@@ -85,7 +85,7 @@ def test_frozen_locator_never_falls_back_to_the_source_tree(
 ) -> None:
     """A file missing from the bundle must be reported missing, not found in the checkout
     the bundle happened to be built from (that would hide the packaging bug)."""
-    from app.resources import app_icon_path, resource_path
+    from app.ui.resources import app_icon_path, resource_path
 
     internal = tmp_path / "_internal"
     internal.mkdir()
@@ -101,7 +101,7 @@ def test_locators_find_files_in_a_macos_app_bundle(
 ) -> None:
     """PagedChat.app: _MEIPASS is Contents/Frameworks; PyInstaller 6 keeps data files in
     Contents/Resources (normally linked into Frameworks; here the links are missing)."""
-    from app.resources import resource_path, resources_dir
+    from app.ui.resources import resource_path, resources_dir
 
     contents = tmp_path / "PagedChat.app" / "Contents"
     (contents / "MacOS").mkdir(parents=True)

@@ -17,7 +17,7 @@ from PySide6.QtCore import Qt
 from app.core.providers import model_ref
 from app.core.records import Status
 from app.core.store import DB_NAME
-from app.settings_dialog import SettingsDialog
+from app.settings.dialog import SettingsDialog
 from tests.app_helpers import WAIT_MS, greedy, last_reply, open_window, wait_idle
 from tests.provider_servers import FaultServer
 

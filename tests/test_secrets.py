@@ -47,7 +47,7 @@ def _files_holding(root: Path, needle: str) -> list[Path]:
 
 
 def test_without_a_keychain_the_token_stays_in_memory_and_settings_says_so(app_alone, qtbot):
-    from app.settings_dialog import SettingsDialog
+    from app.settings.dialog import SettingsDialog
 
     assert type(keyring.get_keyring()).__module__.startswith("keyrings.alt")  # the trap
     dialog = SettingsDialog(AppSettings())

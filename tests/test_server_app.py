@@ -102,7 +102,7 @@ def test_api_clients_stream_while_the_panes_stream_on_one_engine(harness, qtbot)
 
 
 def test_server_settings_persist_and_start_at_launch(harness, qtbot, app_env) -> None:
-    from app.server_panel import ServerSettings
+    from app.window.server_panel import ServerSettings
 
     ServerSettings(port=0, start_at_launch=True).save(harness.store)
     from tests.app_helpers import open_window as reopen

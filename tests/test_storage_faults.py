@@ -110,7 +110,7 @@ def test_writes_wait_in_memory_while_another_process_holds_the_lock(tmp_path):
 
 
 def test_quitting_while_the_lock_is_held_says_what_was_not_saved(tmp_path, monkeypatch, capsys):
-    from app.data_folder import close_store
+    from app.startup.data_folder import close_store
 
     monkeypatch.setattr(store_module, "CLOSE_FLUSH_S", 0.5)
     store = Store(tmp_path)
@@ -522,7 +522,7 @@ def test_window_opens_on_a_damaged_database_and_says_where_the_copy_is(
 
 @model
 def test_a_second_launch_brings_the_first_window_forward(qtbot, windows, app_env):
-    from app.single_instance import SingleInstance, bring_to_front
+    from app.startup.single_instance import SingleInstance, bring_to_front
 
     guard = SingleInstance(app_env)
     assert guard.acquire() is None

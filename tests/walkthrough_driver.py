@@ -201,7 +201,7 @@ class Driver:
             return 1
 
     def _find_window(self) -> bool:
-        from app.main_window import MainWindow
+        from app.window.main_window import MainWindow
 
         for w in QApplication.topLevelWidgets():
             if isinstance(w, MainWindow) and w.isVisible():

@@ -19,8 +19,8 @@ from typing import Any
 from PySide6.QtCore import QEvent, QObject, Qt, Signal
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QToolButton, QWidget
 
-from app import icons
 from app.core.attachments import Attachment, AttachmentError, prompt_content, read_attachment
+from app.ui import icons
 
 
 def chips_html(attachments: list[Attachment], background: str) -> str:

@@ -10,7 +10,7 @@ from PySide6.QtWidgets import QLabel, QWidget
 
 from app.core.generation_defaults import describe
 from app.core.records import ChatSettings
-from app.forms import ChatSettingsForm, CheckedDialog
+from app.settings.forms import ChatSettingsForm, CheckedDialog
 from engine import SamplingParams
 
 

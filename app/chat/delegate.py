@@ -22,10 +22,10 @@ from PySide6.QtGui import (
 )
 from PySide6.QtWidgets import QListView, QStyle, QStyledItemDelegate, QStyleOptionViewItem
 
-from app import colors, icons
 from app.chat.message_model import ChatMessageModel, RenderEntry, status_text
 from app.core.records import Message, Status
-from app.theme import theme_manager
+from app.ui import colors, icons
+from app.ui.theme import theme_manager
 
 H_PAD = 18
 TOP_PAD = 10

@@ -24,8 +24,8 @@ from pygments.formatters import HtmlFormatter
 
 from app.core.highlighting import highlighted
 
-if TYPE_CHECKING:  # the look is the theme's (app/theme.py), handed in by the caller
-    from app.theme import MarkdownTheme
+if TYPE_CHECKING:  # the look is the theme's (app/ui/theme.py), handed in by the caller
+    from app.ui.theme import MarkdownTheme
 
 COPY_SCHEME = "copy:"
 

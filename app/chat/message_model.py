@@ -23,8 +23,8 @@ from app.chat.session import ChatSession
 from app.chat.throttle import RenderThrottle, shared_throttle
 from app.core.attachments import from_meta
 from app.core.records import Message, Status
-from app.qt_util import disconnect
-from app.theme import MarkdownTheme, theme_manager
+from app.ui.qt_util import disconnect
+from app.ui.theme import MarkdownTheme, theme_manager
 
 MessageRole = Qt.ItemDataRole.UserRole + 1
 MessageIdRole = Qt.ItemDataRole.UserRole + 2

@@ -25,7 +25,7 @@ from app.chat.delegate import ACTION_TIPS, MessageDelegate, RowGeometry
 from app.chat.markdown import COPY_SCHEME
 from app.chat.message_model import ChatMessageModel
 from app.core.records import Status
-from app.qt_util import disconnect
+from app.ui.qt_util import disconnect
 
 
 class MessageListView(QListView):

@@ -23,7 +23,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import colors, icons
 from app.chat.attachment_bar import AttachmentBar
 from app.chat.chat_settings_dialog import ChatSettingsDialog
 from app.chat.draft_meter import DraftMeter
@@ -35,8 +34,9 @@ from app.chat.session import ChatSession
 from app.core.model_names import model_id
 from app.core.rates import fmt_rate, shown_rate
 from app.core.records import Status
-from app.elided_label import ElidedLabel, wrapped_lines
-from app.qt_util import disconnect
+from app.ui import colors, icons
+from app.ui.elided_label import ElidedLabel, wrapped_lines
+from app.ui.qt_util import disconnect
 from engine import EngineStatus
 
 NOTICE_MS = 8000

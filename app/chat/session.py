@@ -18,7 +18,6 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from app import colors
 from app.core.attachments import Attachment, from_meta, to_meta
 from app.core.records import ChatSettings, Conversation, Message, Status, new_id
 from app.core.session_logic import (
@@ -31,6 +30,7 @@ from app.core.session_logic import (
     usage_dict,
 )
 from app.core.tree import MessageTree
+from app.ui import colors
 
 SAVE_INTERVAL_MS = 1000
 #: meta["refused"] of a reply whose prompt the model refused as longer than its context

@@ -32,7 +32,6 @@ from PySide6.QtGui import (
 )
 from PySide6.QtWidgets import QFrame, QScrollArea, QToolTip, QWidget
 
-from app import colors
 from app.monitor import cell_colors, style
 from app.monitor.grid import Grid, fit_grid
 from app.monitor.pool_state import (
@@ -46,6 +45,7 @@ from app.monitor.pool_state import (
 )
 from app.monitor.raster import rasterize, rasterize_rows
 from app.monitor.tooltip import block_tooltip, cell_tooltip
+from app.ui import colors
 
 FLASH_S = 0.5  # how long a freshly allocated / freed block stays highlighted
 FRAME_MS = 33  # animation frame interval while flashes fade

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from PySide6.QtCore import QObject, Signal
 from PySide6.QtGui import QColor
 
-from app import colors
+from app.ui import colors
 
 
 class Chats(Protocol):

@@ -14,11 +14,11 @@ from PySide6.QtCore import QPoint, QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QImage, QPainter, QPaintEvent
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
-from app import colors
 from app.monitor import style
 from app.monitor.cell_colors import session_tables
 from app.monitor.grid import Grid
 from app.monitor.raster import CellPaint, rasterize
+from app.ui import colors
 
 SWATCH = 13  # logical px
 

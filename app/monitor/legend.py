@@ -32,8 +32,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import colors
 from app.core.rates import fmt_rate, shown_rate
+from app.ui import colors
 
 Index = QModelIndex | QPersistentModelIndex
 MIN_ROWS, MAX_ROWS = 3, 6

@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterable
 
 from PySide6.QtGui import QColor, QPalette
 
-from app import colors
 from app.monitor.cell_colors import Palette, session_tables
 from app.monitor.raster import blend
+from app.ui import colors
 
 
 def to_rgb32(color: QColor) -> int:

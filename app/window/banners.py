@@ -17,10 +17,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import icons
+from app.bridges.engine_bridge import IDLE
 from app.chat.input_box import InputBox
 from app.core.model_names import model_id, weights
-from app.engine_bridge import IDLE
+from app.ui import icons
 from engine import EngineStatus
 
 

@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QSplitter, QWidget
 
 from app.chat.pane import ChatPane
 from app.chat.session import ChatSession
-from app.qt_util import from_b64, to_b64
+from app.ui.qt_util import from_b64, to_b64
 
 MAX_PANES = 4
 

@@ -13,7 +13,7 @@ from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QColor, QGuiApplication, QPalette
 from PySide6.QtWidgets import QApplication
 
-from app.resources import resources_dir
+from app.ui.resources import resources_dir
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The main window: conversation sidebar | one to four chat panes | KV monitor dock.
 
-It opens chats in panes (the pane deck, app/pane_deck.py), runs the commands of its action
-table (app/actions.py), shows the engine's loading and error states (app/banners.py), hands
-settings to their flow (app/settings_flow.py: saved, applied, the engine restarted), and
+It opens chats in panes (the pane deck, app/window/pane_deck.py), runs the commands of its action
+table (app/window/actions.py), shows the engine's loading and error states (app/window/banners.py), hands
+settings to their flow (app/settings/flow.py: saved, applied, the engine restarted), and
 saves/restores its layout. Chat behaviour itself lives in ChatSession; this class wires.
 It is also the monitor's view of the chats (app/monitor/chats.py's Chats protocol).
 """
@@ -23,27 +23,27 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import colors
-from app.actions import THEMES, build_actions, build_toolbar, refresh_icons
-from app.banners import CompareBar, EngineBanner, ModelButton, PoolLabel, SpeedBanner
+from app.bridges.remote_bridge import RemoteBridge
 from app.chat.pane import ChatPane
 from app.chat.session import ChatSession, SessionManager
-from app.confirm import confirm_destructive
 from app.core import openblas
 from app.core.app_settings import AppSettings
 from app.core.providers import ProviderRegistry
-from app.dock_fit import DockFitter
-from app.folder_bar import ALL as ALL_FOLDERS
-from app.library_flow import LibraryFlow
+from app.library.flow import LibraryFlow
+from app.library.folder_bar import ALL as ALL_FOLDERS
+from app.library.sidebar import Sidebar
 from app.monitor import create_monitor_dock
-from app.pane_deck import MAX_PANES, PaneDeck
-from app.qt_util import from_b64, to_b64
-from app.remote_bridge import RemoteBridge
-from app.server_panel import ServerPanel
-from app.settings_flow import SettingsFlow
-from app.sidebar import Sidebar
-from app.storage_banner import attach_storage_banner
-from app.theme import theme_manager
+from app.settings.flow import SettingsFlow
+from app.ui import colors
+from app.ui.confirm import confirm_destructive
+from app.ui.qt_util import from_b64, to_b64
+from app.ui.theme import theme_manager
+from app.window.actions import THEMES, build_actions, build_toolbar, refresh_icons
+from app.window.banners import CompareBar, EngineBanner, ModelButton, PoolLabel, SpeedBanner
+from app.window.dock_fit import DockFitter
+from app.window.pane_deck import MAX_PANES, PaneDeck
+from app.window.server_panel import ServerPanel
+from app.window.storage_banner import attach_storage_banner
 
 LAYOUT_KEY = "window_layout"
 APP_NAME = "PagedChat"
@@ -327,7 +327,7 @@ class MainWindow(QMainWindow):
         self._save_soon()
         return True
 
-    # ---- the library: search hits, export and import (app/library_dialogs.py) ------------
+    # ---- the library: search hits, export and import (app/library/dialogs.py) ------------
 
     def show_hit(self, conversation_id: str, message_id: str | None) -> None:
         """A search hit: its chat in a pane (the focused one unless open), at the message."""

@@ -1,7 +1,7 @@
 """The chat library's flows: folders (delete, their settings for new chats) and moving chats
 in and out of PagedChat (export one, export all, import).
 
-Each flow asks the user through a real dialog (app/library_dialogs.py, app/confirm.py),
+Each flow asks the user through a real dialog (app/library/dialogs.py, app/ui/confirm.py),
 changes the store, and tells the window what to show. Kept out of the main window, which only
 lays out the widgets these flows talk to.
 """
@@ -12,16 +12,16 @@ from typing import Any, Protocol
 
 from PySide6.QtWidgets import QDialog
 
-from app import library_dialogs
 from app.chat.chat_settings_dialog import ChatSettingsDialog
-from app.confirm import confirm_destructive
+from app.library import dialogs as library_dialogs
+from app.ui.confirm import confirm_destructive
 
 
 class LibraryWindow(Protocol):
     """What the flows need of the main window (a QMainWindow: the dialogs' parent)."""
 
     store: Any
-    sidebar: Any  # app.sidebar.Sidebar
+    sidebar: Any  # app.library.sidebar.Sidebar
     manager: Any  # app.chat.session.SessionManager
 
     @property

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from app.core.store import Store, StoreOpenError
-from app.single_instance import SingleInstance
+from app.startup.single_instance import SingleInstance
 
 
 def tell(message: str) -> None:

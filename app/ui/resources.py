@@ -21,7 +21,7 @@ from pathlib import Path
 
 from PySide6.QtGui import QIcon
 
-SOURCE_ROOT = Path(__file__).resolve().parent.parent
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # app/ui/resources.py -> the checkout
 
 
 def resource_roots() -> list[Path]:

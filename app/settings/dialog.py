@@ -30,8 +30,8 @@ from PySide6.QtWidgets import (
 from app.core import secrets
 from app.core.app_settings import AppSettings
 from app.core.records import ChatSettings
-from app.forms import ChatSettingsForm, CheckedDialog
-from app.providers_page import ProvidersPage
+from app.settings.forms import ChatSettingsForm, CheckedDialog
+from app.settings.providers_page import ProvidersPage
 from engine import BLOCK_SIZES, SamplingParams
 
 

@@ -24,7 +24,7 @@ from PySide6.QtGui import QContextMenuEvent
 from PySide6.QtWidgets import QAbstractItemView, QFrame, QListView, QMenu, QWidget
 
 from app.core.records import Folder
-from app.elided_label import ElidedLabel
+from app.ui.elided_label import ElidedLabel
 
 CHAT_IDS_MIME = "application/x-pagedchat-chat-ids"
 ALL = "__all__"  # the "All Chats" row: no filter; a drop there moves chats to the top level

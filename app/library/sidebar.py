@@ -1,9 +1,9 @@
 """The conversation sidebar: search (titles and message text), new, rename, delete, open.
 
 Model/view: ConversationListModel lists the store's conversations (most recent first);
-ConversationFilter narrows them to the folder chosen (app/folder_bar.py) and to the ids the
+ConversationFilter narrows them to the folder chosen (app/library/folder_bar.py) and to the ids the
 store's full-text search returns; while a search is typed its ranked hits
-(app/search_results.py) stand in for the list, and Enter opens the first one. Rename is in
+(app/library/search_results.py) stand in for the list, and Enter opens the first one. Rename is in
 place (F2 or double-click on the title... or the context menu); delete asks first.
 """
 
@@ -49,12 +49,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app import colors, icons
 from app.core.records import Conversation
 from app.core.session_logic import DEFAULT_TITLE
-from app.elided_label import ElidedLabel
-from app.folder_bar import ALL, CHAT_IDS_MIME, FolderPanel, encode_chat_ids
-from app.search_results import SearchResultsView
+from app.library.folder_bar import ALL, CHAT_IDS_MIME, FolderPanel, encode_chat_ids
+from app.library.search_results import SearchResultsView
+from app.ui import colors, icons
+from app.ui.elided_label import ElidedLabel
 
 ConvIdRole = Qt.ItemDataRole.UserRole + 1
 UpdatedRole = Qt.ItemDataRole.UserRole + 2
@@ -154,7 +154,7 @@ class ConversationListModel(QAbstractListModel):
         return [CHAT_IDS_MIME]
 
     def mimeData(self, indexes: Any) -> Any:
-        """The dragged chats' ids, for a drop on a folder (app/folder_bar.py)."""
+        """The dragged chats' ids, for a drop on a folder (app/library/folder_bar.py)."""
         ids = [self._items[i.row()].id for i in indexes if i.isValid()]
         return encode_chat_ids(list(dict.fromkeys(ids)))
 
@@ -377,7 +377,7 @@ class Sidebar(QFrame):
         self.proxy.setSourceModel(self.model)
         self.view = ConversationListView()
         self.view.setModel(self.proxy)
-        self.view.setDragEnabled(True)  # onto a folder (app/folder_bar.py)
+        self.view.setDragEnabled(True)  # onto a folder (app/library/folder_bar.py)
         self.view.setDragDropMode(QAbstractItemView.DragDropMode.DragOnly)
         self.folders.changed.connect(self.reload)
         self.folders.view.folderChosen.connect(self._folder_chosen)

@@ -20,9 +20,9 @@ from app.core import secrets
 from app.core.app_settings import AppSettings
 from app.core.generation_defaults import model_defaults
 from app.core.records import ChatSettings
-from app.models_window import ModelsWindow
-from app.settings_dialog import SettingsDialog
-from app.theme import theme_manager
+from app.settings.dialog import SettingsDialog
+from app.settings.models_window import ModelsWindow
+from app.ui.theme import theme_manager
 from engine import SamplingParams, cache_dir
 
 
@@ -34,11 +34,11 @@ class SettingsWindow(Protocol):
     store: Any
     registry: Any
     manager: Any  # app.chat.session.SessionManager
-    bridge: Any  # app.engine_bridge.EngineBridge
-    banner: Any  # app.banners.EngineBanner
-    model_button: Any  # app.banners.ModelButton
+    bridge: Any  # app.bridges.engine_bridge.EngineBridge
+    banner: Any  # app.window.banners.EngineBanner
+    model_button: Any  # app.window.banners.ModelButton
     theme_actions: dict[str, Any]  # theme -> its checkable QAction
-    models_window: Any  # app.models_window.ModelsWindow, made on first use
+    models_window: Any  # app.settings.models_window.ModelsWindow, made on first use
 
 
 class SettingsFlow:

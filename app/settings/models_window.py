@@ -33,7 +33,6 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.confirm import confirm_destructive
 from app.core import model_catalog
 from app.core.downloads import (
     Download,
@@ -44,6 +43,7 @@ from app.core.downloads import (
 )
 from app.core.model_catalog import CURATED, SOURCE_LABELS, CuratedModel, InstalledModel
 from app.core.model_names import model_id, weights
+from app.ui.confirm import confirm_destructive
 
 PROGRESS_STEPS = 1000
 

@@ -15,8 +15,8 @@ from PySide6.QtCore import QEvent, Qt
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import QApplication, QMainWindow, QMenu, QSizePolicy, QToolBar, QWidget
 
-from app import icons
-from app.pane_deck import MAX_PANES
+from app.ui import icons
+from app.window.pane_deck import MAX_PANES
 
 Key = QKeySequence.StandardKey | str
 
