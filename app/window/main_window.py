@@ -1,10 +1,11 @@
 """The main window: conversation sidebar | one to four chat panes | KV monitor dock.
 
-It opens chats in panes (the pane deck, app/window/pane_deck.py), runs the commands of its action
-table (app/window/actions.py), shows the engine's loading and error states (app/window/banners.py), hands
-settings to their flow (app/settings/flow.py: saved, applied, the engine restarted), and
-saves/restores its layout. Chat behaviour itself lives in ChatSession; this class wires.
-It is also the monitor's view of the chats (app/monitor/chats.py's Chats protocol).
+It opens chats in panes (the pane deck, app/window/pane_deck.py), runs the commands of its
+action table (app/window/actions.py), shows the engine's loading and error states
+(app/window/banners.py), hands settings to their flow (app/settings/flow.py: saved,
+applied, the engine restarted), and saves/restores its layout. Chat behaviour itself lives
+in ChatSession; this class wires. It is also the monitor's view of the chats
+(app/monitor/chats.py's Chats protocol).
 """
 
 from __future__ import annotations
