@@ -34,25 +34,26 @@ class Mutant:
 
 
 MUTANTS = (
-    Mutant("the sampler ignores temperature", "engine/sampling.py",
+    Mutant("the sampler ignores temperature", "engine/runner/sampling.py",
            (("scaled = logprobs * (1.0 / temperature)", "scaled = logprobs"),),
            ("tests/test_sampling.py",)),
-    Mutant("the sampler ignores top_k", "engine/sampling.py",
+    Mutant("the sampler ignores top_k", "engine/runner/sampling.py",
            (("logprobs = apply_top_k(logprobs, top_k)", "logprobs = logprobs"),),
            ("tests/test_sampling.py",)),
-    Mutant("the repetition penalty is ignored", "engine/sampling.py",
+    Mutant("the repetition penalty is ignored", "engine/runner/sampling.py",
            (("penalties.append([r.params.repetition_penalty if recent else 1.0])",
              "penalties.append([1.0])"),),
            ("tests/test_sampling.py",)),
-    Mutant("the repetition penalty's window is always mlx-lm's 20 tokens", "engine/sampling.py",
+    Mutant("the repetition penalty's window is always mlx-lm's 20 tokens",
+           "engine/runner/sampling.py",
            (("recent = list(r.history[-r.params.repetition_context_size:])",
              "recent = list(r.history[-20:])"),),
            ("tests/test_sampling.py",)),
-    Mutant("no copy-on-write of a shared partial block", "engine/blocks.py",
+    Mutant("no copy-on-write of a shared partial block", "engine/kv/blocks.py",
            (("                if self._refcount[block] > 1:\n                    copies.append",
              "                if False:\n                    copies.append"),),
            ("tests/test_engine.py::test_fork_after_prompt_copies_the_shared_partial_block",)),
-    Mutant("a cancelled request keeps its blocks", "engine/output.py",
+    Mutant("a cancelled request keeps its blocks", "engine/runner/output.py",
            (("        self.scheduler.remove(seq)\n        seq.state = SequenceState.FINISHED",
              "        if reason != FinishReason.CANCELLED:\n"
              "            self.scheduler.remove(seq)\n"

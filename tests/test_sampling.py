@@ -1,7 +1,7 @@
 """The engine's sampler against an independent numpy oracle (tests/reference.py), statistically.
 
 For each setting, DRAWS tokens are drawn with the engine's batched sampler
-(``engine.sampling.sample_rows``, one batch of DRAWS rows) under a fixed set of PRNG keys
+(``engine.runner.sampling.sample_rows``, one batch of DRAWS rows) under a fixed set of PRNG keys
 (deterministic: the same counts on every run) and their frequencies are compared with
 softmax(logits / T) restricted to the kept set: a token outside the set must never be
 drawn, and Pearson's chi-square over the set must stay under its 1e-6 quantile. Each filter
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from engine.config import SamplingParams
-from engine.sampling import SamplingRow, new_key, sample_rows
+from engine.runner.sampling import SamplingRow, new_key, sample_rows
 from tests.reference import oracle_distribution
 
 DRAWS = 2000

@@ -7,7 +7,7 @@ with a reduce kernel when the batch would leave the GPU under-filled. The same k
 runs prefill chunks (several query tokens of one sequence, causal) straight from the pool,
 so neither decode nor prefill gathers the blocks into a contiguous copy.
 
-As in ``engine.kernels``, a call is a *launch plan*; the CPU emulation harness
+As in ``engine.attention.metal``, a call is a *launch plan*; the CPU emulation harness
 (``tests/kernel_emulation/cuda_generator.py``) executes the very same plans, so the geometry
 chosen here is what CI verifies.
 """
@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from engine.kernel_plans import (
+from engine.attention.plans import (
     PARTITION_TOKENS,
     KernelSet,
     KernelSource,
@@ -222,7 +222,7 @@ def paged_decode_cuda(
     context_lens: mx.array,
     scale: float,
 ) -> mx.array:
-    """``engine.attention.reference_decode`` on the CUDA kernel: [B, H, 1, D]."""
+    """``engine.attention.dispatch.reference_decode`` on the CUDA kernel: [B, H, 1, D]."""
     return _attend(q, k_pool, v_pool, block_tables, context_lens, scale)
 
 
@@ -234,6 +234,7 @@ def paged_prefill_cuda(
     context_len: int,
     scale: float,
 ) -> mx.array:
-    """``engine.attention.reference_prefill`` on the CUDA kernel: q [1, H, L, D] -> same."""
+    """``engine.attention.dispatch.reference_prefill`` on the CUDA kernel: q [1, H, L, D] ->
+    same."""
     lens = mx.array([context_len], dtype=mx.int32)
     return _attend(q, k_pool, v_pool, block_table.reshape(1, -1), lens, scale)

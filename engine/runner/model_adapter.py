@@ -17,7 +17,7 @@ Hooks into mlx-lm, all by its own extension points:
   prefill chunk needs one row of logits, not one per token).
 
 Which architectures may use these hooks, and the check at load for the others, live in
-engine/architecture.py.
+engine/runner/architecture.py.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import attention
-from engine.kv_pool import KVPool
-from engine.work import SequenceWork
+from engine.attention.dispatch import dispatch as attention
+from engine.kv.pool import KVPool
+from engine.sched.work import SequenceWork
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ class PagedLayerCache:
         if self._kernel_ok is None:
             self._kernel_ok = False
             if self.use_kernel:
-                from engine.kernel_plans import supports
+                from engine.attention.plans import supports
 
                 shape = self.pool.shape
                 self._kernel_ok = supports(

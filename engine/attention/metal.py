@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from engine.kernel_plans import (
+from engine.attention.plans import (
     PARTITION_TOKENS,
     KernelSet,
     KernelSource,
@@ -94,7 +94,7 @@ def plan_decode(
 ) -> list[Launch]:
     """The launches computing ``reference_decode``'s result (output 0 of the last launch).
 
-    Shapes as in ``engine.attention.reference_decode``: q [B, H, 1, D]; pools
+    Shapes as in ``engine.attention.dispatch.reference_decode``: q [B, H, 1, D]; pools
     [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [B, max_blocks];
     context_lens [B] (each >= 1). The whole pool arrays are passed (a sliced view would be
     copied by ``ensure_row_contiguous``).
@@ -147,6 +147,6 @@ def paged_decode_kernel(
     context_lens: mx.array,
     scale: float,
 ) -> mx.array:
-    """``engine.attention.reference_decode`` on the Metal kernel: [B, H, 1, D]."""
+    """``engine.attention.dispatch.reference_decode`` on the Metal kernel: [B, H, 1, D]."""
     plan = plan_decode(q, k_pool, v_pool, block_tables, context_lens, scale)
     return KERNELS.run(plan)[-1][0]

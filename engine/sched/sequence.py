@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from engine.block_table import PENDING, BlockTable
 from engine.config import SamplingParams
 from engine.events import FinishReason, SequenceState
+from engine.kv.block_table import PENDING, BlockTable
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import StreamingDetokenizer
@@ -62,7 +62,7 @@ class Sequence:
     error: str | None = None
     preemptions: int = 0
     #: A token has been sampled on the device and not read yet (overlapped steps): the next
-    #: step may already feed it, as a PENDING slot (engine/blocks.py).
+    #: step may already feed it, as a PENDING slot (engine/kv/blocks.py).
     inflight: bool = False
 
     @property

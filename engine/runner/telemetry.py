@@ -12,10 +12,10 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.blocks import BlockAllocator
 from engine.events import Counters, PoolSnapshot, SequenceState, SessionStats
-from engine.scheduler import Scheduler
-from engine.sequence import Request
+from engine.kv.blocks import BlockAllocator
+from engine.sched.scheduler import Scheduler
+from engine.sched.sequence import Request
 
 SNAPSHOT_INTERVAL_S = 0.05
 RATE_WINDOW_S = 2.0
