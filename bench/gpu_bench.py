@@ -105,13 +105,17 @@ def start_engine(loaded, max_batch: int, kv_mib: float, attention_mode: str = "a
     import engine.loading as loading
     from engine import Engine, EngineConfig
 
-    loading.load_model = lambda spec, quantized=None: loaded
     config.setdefault("prefill_chunk", PREFILL_CHUNK)
     eng = Engine(EngineConfig(kv_memory_mib=kv_mib, block_size=BLOCK_SIZE,
                               max_batch=max_batch, attention=attention_mode, **config))
-    eng.start()
-    if not eng.wait_ready():
-        raise SystemExit(f"engine failed to load: {eng.load_error}")
+    real_load = loading.load_model
+    loading.load_model = lambda spec, quantized=None: loaded
+    try:  # only for this engine's load: a process that loads other models later keeps its loader
+        eng.start()
+        if not eng.wait_ready():
+            raise SystemExit(f"engine failed to load: {eng.load_error}")
+    finally:
+        loading.load_model = real_load
     return eng
 
 

@@ -52,9 +52,13 @@ def test_batch_generate_runs_one_batch_of_n_with_the_same_sampling(monkeypatch, 
 
 @pytest.mark.slow
 def test_the_gpu_bench_runs_end_to_end_at_quick_sizes(tmp_path) -> None:
+    import engine.loading as loading
+
+    real_load = loading.load_model
     out = tmp_path / "gpu.md"
     gpu_bench.main(["--quick", "--parts", "throughput,paste", "--repeats", "1",
                     "--out", str(out)])
     text = out.read_text()
     assert "| tiny | 4 | app-sampling |" in text
     assert "short chat's first token" in text
+    assert loading.load_model is real_load, "the bench left its in-memory loader behind"
