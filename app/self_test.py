@@ -70,7 +70,7 @@ class SelfTestResult:
 def check_resources() -> None:
     """Every file the app and the engine read at run time is where the locators look."""
     from app.resources import app_icon_path, resources_dir
-    from engine.attention.dispatch import metal as kernels
+    from engine.attention import metal as kernels
 
     missing = [
         str(p)

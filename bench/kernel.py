@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 
 import mlx.core as mx
 
-from engine.attention.dispatch import metal as kernels
+from engine.attention import metal as kernels
 from engine.attention.dispatch import kernel_available, reference_decode
 
 # Unified-memory bandwidth (GB/s) of Apple chips, longest names first when matching. Binned Max

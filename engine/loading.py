@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.attention.dispatch import dispatch as attention
+from engine.attention import dispatch as attention
 from engine.config import EngineConfig, blocks_for_budget, overlap_steps
 from engine.errors import ModelLoadError, NotPaged
 from engine.events import ModelInfo

@@ -20,9 +20,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.attention.dispatch import cuda as cuda_kernels
-from engine.attention.dispatch import dispatch as attention
-from engine.attention.dispatch import plans as kernel_plans
+from engine.attention import cuda as cuda_kernels
+from engine.attention import dispatch as attention
+from engine.attention import plans as kernel_plans
 from engine.attention.dispatch import reference_decode, reference_prefill
 from tests.kernel_emulation import cuda_generator as cgen
 from tests.kernel_emulation import generator as gen

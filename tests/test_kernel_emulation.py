@@ -19,9 +19,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.attention.dispatch import dispatch as attention
-from engine.attention.dispatch import metal as kernels
-from engine.attention.dispatch import plans as kernel_plans
+from engine.attention import dispatch as attention
+from engine.attention import metal as kernels
+from engine.attention import plans as kernel_plans
 from engine.attention.dispatch import reference_decode
 from tests.kernel_emulation import generator as gen
 

@@ -25,8 +25,8 @@ from mlx_lm import generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.errors import ModelLoadError
-from engine.models.resolve import default_model
-from engine.models.resolve import gguf as converter
+from engine.models import default_model
+from engine.models import gguf as converter
 from engine.models.default_model import CACHE_DIR_ENV, converted_folder, locate_default_gguf
 from engine.models.folder import LoadedModel
 from engine.models.gguf import GGUF_PATH_ENV

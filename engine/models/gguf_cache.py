@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.models.resolve import gguf as gguf_module
+from engine.models import gguf as gguf_module
 
 logger = logging.getLogger(__name__)
 

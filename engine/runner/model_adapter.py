@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.attention.dispatch import dispatch as attention
+from engine.attention import dispatch as attention
 from engine.kv.pool import KVPool
 from engine.sched.work import SequenceWork
 
