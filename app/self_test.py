@@ -7,7 +7,7 @@ self-test runs the same code paths a user's first launch runs, without a display
 touching the user's chats:
 
 1. resources: the app icon, both themes and the Metal shader source are found through the
-   resource locators (app/ui/resources.py, engine/kernel_plans.py) and the shader parses;
+   resource locators (app/ui/resources.py, engine/attention/plans.py) and the shader parses;
 2. engine: the default model loads (converted into the cache folder on first use) and the
    paged engine answers a fixed question greedily through the public ``engine`` API;
 3. window: the real main window opens off screen on a throw-away data folder, its engine
@@ -70,7 +70,7 @@ class SelfTestResult:
 def check_resources() -> None:
     """Every file the app and the engine read at run time is where the locators look."""
     from app.ui.resources import app_icon_path, resources_dir
-    from engine import kernels
+    from engine.attention import metal as kernels
 
     missing = [
         str(p)

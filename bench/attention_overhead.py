@@ -15,7 +15,7 @@ import time
 
 import mlx.core as mx
 
-from engine.attention import paged_decode, reference_decode
+from engine.attention.dispatch import paged_decode, reference_decode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M's attention shape
 

@@ -1,4 +1,4 @@
-"""What bucketed shapes cost or save (engine/model_adapter.py ``BUCKET_SHAPES``).
+"""What bucketed shapes cost or save (engine/runner/model_adapter.py ``BUCKET_SHAPES``).
 
 On a GPU, bucketing lets MLX's CUDA backend reuse its graphs and the kernels their plans;
 on the CPU it only adds padding rows (at most 1.5x the decode rows) and table columns. This
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import engine.model_adapter as model_adapter  # noqa: E402
+import engine.runner.model_adapter as model_adapter  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 QUESTION = "Tell me about the history of the number {i} in a long, detailed answer."

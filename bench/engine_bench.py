@@ -30,9 +30,9 @@ from mlx_lm.models.cache import BatchKVCache
 
 from bench.workload import SYSTEM_PROMPT, conversation, make_sessions
 from engine import Engine, EngineConfig, SamplingParams
-from engine.block_table import BlockTable, NoFreeBlocksError
-from engine.blocks import BlockAllocator
-from engine.models import load_model
+from engine.kv.block_table import BlockTable, NoFreeBlocksError
+from engine.kv.blocks import BlockAllocator
+from engine.models.resolve import load_model
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZE = 16

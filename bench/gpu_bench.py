@@ -90,7 +90,7 @@ def make_model(shape: dict, dtype: mx.Dtype, vocab: int = VOCAB, seed: int = 0):
 
 
 def loaded_model(model, tokenizer, name: str, dtype: mx.Dtype):
-    from engine.model_folder import LoadedModel
+    from engine.models.folder import LoadedModel
 
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=Path("."),
                        model_type="llama", max_context=8192, dtype=dtype)
@@ -121,7 +121,7 @@ def start_engine(loaded, max_batch: int, kv_mib: float, attention_mode: str = "a
 
 class StepProfile:
     """Where an engine step's time goes, averaged over a run: the engine's own per-step phase
-    times (engine.telemetry.StepTimes: schedule, build = batch metadata + the model's lazy
+    times (engine.runner.telemetry.StepTimes: schedule, build = batch metadata + the model's lazy
     graph, forward = waiting for the device, sample, bookkeeping), read after every step by a
     wrapper on the step runner (removed by close())."""
 
@@ -242,7 +242,7 @@ def build_time(fn, repeats: int) -> float:
 def attention_case(shape: dict, batch: int, context: int, dtype: mx.Dtype, repeats: int,
                    layers: int | None = None) -> dict:
     """All layers' decode attention of one step: paged kernel / contiguous SDPA / gather."""
-    from engine.attention import paged_decode, reference_decode
+    from engine.attention.dispatch import paged_decode, reference_decode
 
     layers = layers or shape["num_hidden_layers"]
     h, kvh, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
@@ -697,7 +697,7 @@ def main(argv: list[str] | None = None) -> None:
         mixed_args = (SHAPES["1B"], 2500, 128, 7, 128, VOCAB, kv_mib)
         agree = (SHAPES["1B"], 64, 128, 32, VOCAB, kv_mib)
         paste_args = (SHAPES["1B"], 4, 128, 8000, 64, 64, VOCAB, kv_mib, args.repeats)
-    from engine.attention import kernel_path
+    from engine.attention.dispatch import kernel_path
 
     results: dict = dict(device=str(mx.default_device()), path=kernel_path() or "reference",
                          gen_tokens=gen, throughput=[], attention=[], repeats=args.repeats,

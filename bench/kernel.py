@@ -4,8 +4,8 @@ For each (batch, context) the same K/V live once in a contiguous [B, KVH, T, D] 
 scattered over a block pool through scrambled block tables. Measured side by side in one run:
 
 * contiguous: ``mx.fast.scaled_dot_product_attention`` on the contiguous cache (the bar);
-* paged kernel: ``engine.kernels.paged_decode_kernel`` reading the pool directly;
-* gather: ``engine.attention.reference_decode`` (gathers the blocks, then SDPA).
+* paged kernel: ``engine.attention.metal.paged_decode_kernel`` reading the pool directly;
+* gather: ``engine.attention.dispatch.reference_decode`` (gathers the blocks, then SDPA).
 
 Prints time ratios against contiguous (target: paged <= 1.1x) and the K/V bandwidth the paged
 kernel reaches as a fraction of the chip's peak (``--peak-gbps``, default from a table of Apple
@@ -15,8 +15,9 @@ chips by ``mx.metal.device_info()`` name). Needs a Mac: elsewhere it says so and
                            [--head-dim 128] [--block-size 16] [--dtype float16] [--peak-gbps N]
                            [--simdgroups auto,1,2,4,8] [--split auto,on,off]
 
-``--simdgroups`` / ``--split`` sweep the launch geometry (one row each) so that the constants in
-``engine/kernels.py`` (MAX_SIMDGROUPS, SPLIT_BELOW_THREADGROUPS) can be tuned on a real chip.
+``--simdgroups`` / ``--split`` sweep the launch geometry (one row each) so that the constants
+in ``engine/attention/metal.py`` (MAX_SIMDGROUPS, SPLIT_BELOW_THREADGROUPS) can be tuned on a
+real chip.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 
 import mlx.core as mx
 
-from engine import kernels
-from engine.attention import kernel_available, reference_decode
+from engine.attention import metal as kernels
+from engine.attention.dispatch import kernel_available, reference_decode
 
 # Unified-memory bandwidth (GB/s) of Apple chips, longest names first when matching. Binned Max
 # parts are slower (M3 Max 300, M4 Max 410): pass --peak-gbps for those.

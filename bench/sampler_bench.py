@@ -28,9 +28,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from engine import sampling
 from engine.config import SamplingParams
-from engine.sampling import SamplingRow, new_key, sample_rows
+from engine.runner import sampling
+from engine.runner.sampling import SamplingRow, new_key, sample_rows
 
 VOCAB = 49152
 APP = dict(temperature=0.3, top_p=0.9, repetition_penalty=1.15, repetition_context_size=128)

@@ -26,7 +26,7 @@ from pathlib import Path
 import openai
 
 from bench.workload import SYSTEM_PROMPT
-from engine.default_model import cache_dir
+from engine.models.default_model import cache_dir
 
 RESULTS = Path(__file__).parent / "results"
 KEY = "pc-bench-key"

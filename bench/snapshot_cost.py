@@ -25,13 +25,13 @@ from pathlib import Path
 if not any(Path(p, "engine", "telemetry.py").exists() for p in sys.path[1:] if p):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.block_table import PENDING, BlockTable  # noqa: E402
-from engine.blocks import BlockAllocator  # noqa: E402
 from engine.config import SamplingParams  # noqa: E402
 from engine.events import SequenceState  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from engine.sequence import Request, Sequence  # noqa: E402
-from engine.telemetry import StepTimes, Telemetry  # noqa: E402
+from engine.kv.block_table import PENDING, BlockTable  # noqa: E402
+from engine.kv.blocks import BlockAllocator  # noqa: E402
+from engine.runner.telemetry import StepTimes, Telemetry  # noqa: E402
+from engine.sched.scheduler import Scheduler  # noqa: E402
+from engine.sched.sequence import Request, Sequence  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -104,7 +104,7 @@ def main() -> None:
         seq = scheduler.running[i % len(scheduler.running)]
         telemetry.token(seq.session_id, now - 2.0 + i / 1000)
     used = sum(1 for r in alloc.block_state()[1] if r)
-    print(f"engine from {Path(sys.modules['engine.telemetry'].__file__).parent.parent}")
+    print(f"engine from {Path(sys.modules['engine.runner.telemetry'].__file__).parent.parent}")
     print(f"pool: {alloc.num_blocks} blocks, {used} held, {len(scheduler.running)} sequences "
           f"in {len(requests)} chats")
 

@@ -3,7 +3,6 @@
 The public API (docs/ARCHITECTURE.md §3.9); other code uses only these names. No Qt here.
 """
 
-from engine.architecture import PROVEN_ARCHITECTURES
 from engine.config import (
     BLOCK_SIZES,
     DEFAULT_REPETITION_CONTEXT,
@@ -13,8 +12,6 @@ from engine.config import (
     blocks_for_budget,
     looks_like_repo_id,
 )
-from engine.default_model import DEFAULT_NAME as DEFAULT_MODEL_NAME
-from engine.default_model import cache_dir, locate_default_gguf
 from engine.engine import Engine
 from engine.errors import ModelLoadError
 from engine.events import (
@@ -31,7 +28,10 @@ from engine.events import (
     Usage,
 )
 from engine.handle import RequestHandle
-from engine.model_folder import context_limit
+from engine.models.default_model import DEFAULT_NAME as DEFAULT_MODEL_NAME
+from engine.models.default_model import cache_dir, locate_default_gguf
+from engine.models.folder import context_limit
+from engine.runner.architecture import PROVEN_ARCHITECTURES
 
 __all__ = [
     "BLOCK_SIZES",

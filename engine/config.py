@@ -50,7 +50,7 @@ class EngineConfig:
     max_batch: most sequences decoded in one step.
     prefill_chunk: most prompt tokens processed in one step (a prompt alone gets this much).
     prefill_target: while any chat decodes, a step that also runs prompt tokens aims at this
-        multiple of a pure decode step (engine/prefill_budget.py); 0 turns the adaptive
+        multiple of a pure decode step (engine/sched/prefill_budget.py); 0 turns the adaptive
         budget off and every step takes up to ``prefill_chunk`` prompt tokens.
     overlap: launch each step before reading the previous step's tokens (mlx-lm's
         BatchGenerator does the same); False runs every step synchronously; None decides by

@@ -3,12 +3,12 @@
 Other threads talk to it only through a thread-safe inbox (submit, cancel, stop) and read
 back per-request event streams (``RequestHandle``) and immutable pool snapshots. Nothing a
 caller does can raise inside the engine thread: bad requests end with an ``error`` event, a
-failing step fails only the requests involved (engine/step.py), and the thread keeps serving
+failing step fails only the requests involved (engine/runner/step.py), and the thread keeps serving
 the others. This module is the thread shell: lifecycle, the public methods and the loop.
 What it delegates, each to a module with that one job: the checks at the door
-(engine/validation.py), the inbox's messages and how they are applied (engine/inbox.py),
-the load wiring (engine/loading.py), a step, its output and its telemetry (engine/step.py,
-engine/output.py, engine/telemetry.py).
+(engine/requests/validation.py), the inbox's messages and how they are applied
+(engine/requests/inbox.py), the load wiring (engine/loading.py), a step, its output and its
+telemetry (engine/runner/step.py, engine/runner/output.py, engine/runner/telemetry.py).
 """
 
 from __future__ import annotations
@@ -22,23 +22,23 @@ from collections.abc import Sequence as Seq
 
 import mlx.core as mx
 
-from engine import inbox
-from engine.admission import apply_template
 from engine.config import EngineConfig, SamplingParams, check_top_k
 from engine.errors import ModelLoadError
 from engine.events import EngineStatus, FinishReason, ModelInfo, PoolSnapshot
 from engine.handle import RequestHandle
 from engine.loading import Runtime, load_runtime
-from engine.output import refuse
-from engine.step import describe
-from engine.telemetry import Telemetry
-from engine.validation import (
+from engine.requests import inbox
+from engine.requests.admission import apply_template
+from engine.requests.validation import (
     check_ids,
     checked_messages,
     checked_params,
     checked_prompt,
     vocab_size,
 )
+from engine.runner.output import refuse
+from engine.runner.step import describe
+from engine.runner.telemetry import Telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class Engine:
         """The latest pool snapshot (immutable; None until the model is loaded).
 
         Never waits: asking is what makes the engine thread build the next one, between
-        steps and at most every ``telemetry.SNAPSHOT_INTERVAL_S`` (engine/telemetry.py),
+        steps and at most every ``telemetry.SNAPSHOT_INTERVAL_S`` (engine/runner/telemetry.py),
         so nobody pays for snapshots nobody reads."""
         return self.telemetry.read()
 

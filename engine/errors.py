@@ -15,4 +15,4 @@ def first_line(error: BaseException) -> str:
 
 class NotPaged(Exception):
     """Why a model cannot run on the paged pool: the engine then loads it on the fallback
-    (engine/fallback.py), mlx-lm's own batching, instead of refusing it."""
+    (engine/runner/fallback.py), mlx-lm's own batching, instead of refusing it."""

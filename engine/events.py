@@ -144,7 +144,7 @@ class PoolSnapshot:
     sessions: Mapping[str, SessionStats]
     counters: Counters
     model_name: str = ""
-    #: False when the model runs on mlx-lm's own cache (engine/fallback.py): there is no
+    #: False when the model runs on mlx-lm's own cache (engine/runner/fallback.py): there is no
     #: block pool then (num_blocks 0), only the sessions and counters are meaningful.
     paged: bool = True
     kv_dtype: str = ""  # the pool's element type ("bfloat16", ...), which sizes a block

@@ -15,22 +15,23 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import attention, fallback
-from engine.architecture import supported_kv_shape, verify_architecture
-from engine.blocks import BlockAllocator
+from engine.attention import dispatch as attention
 from engine.config import EngineConfig, blocks_for_budget, overlap_steps
 from engine.errors import ModelLoadError, NotPaged
 from engine.events import ModelInfo
-from engine.kv_pool import KVPool
+from engine.kv.blocks import BlockAllocator
+from engine.kv.pool import KVPool
 from engine.memory import check_fits
-from engine.model_adapter import PagedModel
-from engine.model_folder import LoadedModel, dtype_name
-from engine.models import load_model
-from engine.output import Output
-from engine.prefill_budget import MIN_PROMPT_TOKENS, PrefillBudget
-from engine.scheduler import Scheduler
-from engine.step import StepRunner
-from engine.telemetry import Telemetry
+from engine.models.folder import LoadedModel, dtype_name
+from engine.models.resolve import load_model
+from engine.runner import fallback
+from engine.runner.architecture import supported_kv_shape, verify_architecture
+from engine.runner.model_adapter import PagedModel
+from engine.runner.output import Output
+from engine.runner.step import StepRunner
+from engine.runner.telemetry import Telemetry
+from engine.sched.prefill_budget import MIN_PROMPT_TOKENS, PrefillBudget
+from engine.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry) -> Runtime:
 def _fallback_runtime(cfg: EngineConfig, telemetry: Telemetry, loaded: LoadedModel,
                       max_context: int, reason: str) -> Runtime:
     """The same loop, Output and API on mlx-lm's BatchGenerator instead of the pool
-    (engine/fallback.py)."""
+    (engine/runner/fallback.py)."""
     try:
         check_fits(0, weights_nbytes(loaded.model))
     except ValueError as e:

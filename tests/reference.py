@@ -18,8 +18,8 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 
 from engine import Engine, FinalEvent, TokenEvent
 from engine.config import SamplingParams
-from engine.model_folder import LoadedModel
-from engine.models import load_model
+from engine.models.folder import LoadedModel
+from engine.models.resolve import load_model
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,7 +46,7 @@ def greedy_reference(prompt: list[int], max_tokens: int) -> list[int]:
 def oracle_distribution(logits: Sequence[float] | np.ndarray, params: SamplingParams,
                         history: Sequence[int] = ()) -> np.ndarray:
     """The distribution a draw must follow, computed in float64 numpy from the definitions
-    (independent of engine.sampling and of mlx-lm's filter code):
+    (independent of engine.runner.sampling and of mlx-lm's filter code):
 
     repetition penalty on the last repetition_context_size tokens (a seen token's logit is
     divided by the penalty when positive, multiplied when negative); then the kept set, chosen

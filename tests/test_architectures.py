@@ -11,13 +11,13 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from engine.architecture import PROVEN_ARCHITECTURES, probe_kv_shape
-from engine.block_invariants import check_invariants
-from engine.block_table import BlockTable
-from engine.blocks import BlockAllocator
-from engine.kv_pool import KVPool
-from engine.model_adapter import PagedModel, build_step_batch
-from engine.work import SequenceWork
+from engine.kv.block_table import BlockTable
+from engine.kv.blocks import BlockAllocator
+from engine.kv.invariants import check_invariants
+from engine.kv.pool import KVPool
+from engine.runner.architecture import PROVEN_ARCHITECTURES, probe_kv_shape
+from engine.runner.model_adapter import PagedModel, build_step_batch
+from engine.sched.work import SequenceWork
 
 VOCAB = 128
 COMMON = {
@@ -130,7 +130,7 @@ def test_load_time_check_accepts_a_compatible_architecture_and_flags_an_incompat
     a compatible architecture (starcoder2) agrees; gemma2, whose attention bypasses
     scaled_dot_product_attention (logit soft-capping), does not. Both sit far from the
     engine's fp32 threshold (1e-3): the Engine-level test below runs the real refusal."""
-    from engine.architecture import check_paged_matches
+    from engine.runner.architecture import check_paged_matches
 
     CONFIGS.update(UNPROVEN)
     try:
@@ -155,8 +155,8 @@ def tiny_model_folder(folder, arch: str):
     import json
     import shutil
 
-    from engine.default_model import converted_folder, locate_default_gguf
-    from engine.gguf_cache import ensure_converted
+    from engine.models.default_model import converted_folder, locate_default_gguf
+    from engine.models.gguf_cache import ensure_converted
 
     source = ensure_converted(locate_default_gguf(), converted_folder(False), quantized=False)
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
@@ -186,7 +186,7 @@ UNPROVEN = {
 def test_engine_verifies_an_unproven_architecture_when_it_loads(tmp_path, arch, accepted):
     """Engine._verify_architecture with the engine's own threshold: starcoder2 agrees with
     mlx-lm and serves paged; gemma2 disagrees, so it is not run paged (never run wrongly) but
-    on the fallback engine, mlx-lm's own BatchGenerator (engine/fallback.py), and its
+    on the fallback engine, mlx-lm's own BatchGenerator (engine/runner/fallback.py), and its
     ModelInfo says why. Either way the greedy reply equals mlx-lm's own generation."""
     from engine import Engine, EngineConfig, FinishReason, SamplingParams
     from tests.reference import collect

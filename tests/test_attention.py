@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.attention import reference_decode, reference_prefill
+from engine.attention.dispatch import reference_decode, reference_prefill
 
 
 def naive_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:

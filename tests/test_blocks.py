@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_invariants import check_invariants
-from engine.block_table import PENDING, BlockTable, NoFreeBlocksError
-from engine.blocks import BlockAllocator
+from engine.kv.block_table import PENDING, BlockTable, NoFreeBlocksError
+from engine.kv.blocks import BlockAllocator
+from engine.kv.invariants import check_invariants
 
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=40)
 
@@ -194,7 +194,7 @@ def test_identical_prefixes_computed_at_once_keep_one_cached_copy() -> None:
 
 
 def test_a_pending_token_is_hashed_and_shown_only_once_resolved() -> None:
-    from engine.block_table import PENDING
+    from engine.kv.block_table import PENDING
 
     alloc = BlockAllocator(8, 4)
     table = BlockTable(owner="s")

@@ -4,7 +4,7 @@
   generates, is compiled with g++ against tests/kernel_emulation/cuda_emu.h and run over the
   Metal kernel's shape matrix (GQA 1/3/4/7/8, head dims 64/80/96/128, block sizes 8/16/32,
   f32/f16/bf16, ragged lengths 1..4k, one and several partitions) plus prefill chunks; outputs
-  are compared with ``engine.attention``'s reference paths and a float64 numpy oracle;
+  are compared with ``engine.attention.dispatch``'s reference paths and a float64 numpy oracle;
 * on an NVIDIA GPU (``-m cuda``, MLX's CUDA backend): the same plans and comparisons.
 
 Planted bugs (mutated copies of the source that compile) must make the comparison fail, on
@@ -20,8 +20,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import attention, cuda_kernels, kernel_plans
-from engine.attention import reference_decode, reference_prefill
+from engine.attention import cuda as cuda_kernels
+from engine.attention import dispatch as attention
+from engine.attention import plans as kernel_plans
+from engine.attention.dispatch import reference_decode, reference_prefill
 from tests.kernel_emulation import cuda_generator as cgen
 from tests.kernel_emulation import generator as gen
 from tests.test_kernel_emulation import (

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig, FinalEvent, FinishReason, SamplingParams, TokenEvent
-from engine.block_invariants import check_invariants
+from engine.kv.invariants import check_invariants
 from tests.reference import reference_model, wait_until
 from tests.tiny_model import budget_mib, greedy_with_margin, make_tiny_model
 

@@ -335,7 +335,7 @@ def test_stop_then_start_serves_again(tiny: Path) -> None:
 # ---- item 8: the snapshot forgets finished sessions ---------------------------------------
 
 def test_snapshot_forgets_finished_sessions(tiny: Path) -> None:
-    from engine.telemetry import RECENT_SESSIONS
+    from engine.runner.telemetry import RECENT_SESSIONS
 
     eng = tiny_engine(tiny, max_batch=16)
     eng.start()
@@ -387,8 +387,8 @@ def test_missing_tokenizer_is_named_with_its_fix(tiny: Path, tmp_path: Path) -> 
 
 def test_mamba_model_runs_on_the_fallback_engine(tiny: Path, tmp_path) -> None:
     """A state-space model keeps a recurrent state, not K/V, so it cannot be paged: it runs
-    on mlx-lm's own BatchGenerator (engine/fallback.py), says why in ModelInfo, and its greedy
-    reply equals mlx-lm's own generation."""
+    on mlx-lm's own BatchGenerator (engine/runner/fallback.py), says why in ModelInfo, and its
+    greedy reply equals mlx-lm's own generation."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
@@ -453,7 +453,7 @@ def test_typed_role_markers_are_tokenized_as_text(engine: Engine) -> None:
 @pytest.mark.parametrize("content", ["What is 2+2?", "  leading and trailing  \n\n",
                                      "\n\n\n  x <b> y", "tabs\tand émojis 🙂", "<|im_sta rt|>"])
 def test_plain_text_tokenizes_as_the_template_does(engine: Engine, content: str) -> None:
-    from engine.chat_format import encode_segmented
+    from engine.models.chat_format import encode_segmented
 
     tokenizer = reference_model().tokenizer
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content},

@@ -1,5 +1,5 @@
 """The fallback engine: an architecture that fails the paged check runs on mlx-lm's own
-BatchGenerator behind the same public Engine API (engine/fallback.py).
+BatchGenerator behind the same public Engine API (engine/runner/fallback.py).
 
 The model is a tiny random Gemma 3 whose sliding-window layers (a window of 8 tokens) the
 paged pool does not model; the references are mlx-lm's own generation on a separate copy of
@@ -139,12 +139,12 @@ def test_a_model_mlx_lm_cannot_batch_is_served_one_chat_at_a_time(tmp_path):
     one row at a time, re-feeding each row's tokens, so the replies still equal mlx-lm's own
     generation and nothing fails. Driven below the engine's inbox, so both prompts are surely
     queued before the first step."""
-    from engine.admission import admit
-    from engine.fallback import FallbackRunner, FallbackScheduler
     from engine.handle import RequestHandle
-    from engine.model_folder import load_folder
-    from engine.output import Output
-    from engine.telemetry import Telemetry
+    from engine.models.folder import load_folder
+    from engine.requests.admission import admit
+    from engine.runner.fallback import FallbackRunner, FallbackScheduler
+    from engine.runner.output import Output
+    from engine.runner.telemetry import Telemetry
 
     folder = make_tiny_model(tmp_path / "tiny-gemma2", reference_model().path, config=GEMMA2)
     loaded = load_folder(folder)
@@ -193,8 +193,8 @@ def test_a_window_longer_than_the_check_still_falls_back(tmp_path):
     assert not info.paged and "sliding-window attention (a window of 64 tokens)" in \
         info.not_paged_reason
     # The premise: the short load-time check alone would have let it run paged.
-    from engine.architecture import check_paged_matches, probe_kv_shape
-    from engine.model_folder import load_folder
+    from engine.models.folder import load_folder
+    from engine.runner.architecture import check_paged_matches, probe_kv_shape
 
     model = load_folder(folder).model
     assert check_paged_matches(model, probe_kv_shape(model), 8) < 1e-3

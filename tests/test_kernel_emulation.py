@@ -2,8 +2,8 @@
 
 * here, on the CPU: the same source text, wrapped in the signature mx.fast.metal_kernel
   generates, is compiled with g++ against tests/kernel_emulation/metal_emu.h and run over a
-  matrix of shapes; its output is compared with ``engine.attention.reference_decode`` and with
-  an independent float64 numpy oracle;
+  matrix of shapes; its output is compared with
+  ``engine.attention.dispatch.reference_decode`` and with an independent float64 numpy oracle;
 * on a Mac (``-m mac``): the same launch plans run on the GPU, compared the same way.
 
 Planted bugs (mutated copies of the shader) must make the comparison fail.
@@ -19,8 +19,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import attention, kernel_plans, kernels
-from engine.attention import reference_decode
+from engine.attention import dispatch as attention
+from engine.attention import metal as kernels
+from engine.attention import plans as kernel_plans
+from engine.attention.dispatch import reference_decode
 from tests.kernel_emulation import generator as gen
 
 CONTEXT_LENS = (1, 15, 16, 17, 511, 512, 513, 2049)  # one ragged batch
@@ -41,7 +43,7 @@ class Case:
     block_size: int
     dtype: mx.Dtype
     split: bool  # multi-partition (split-K + reduce) or single pass
-    simdgroups: int | None = None  # None: engine.kernels chooses
+    simdgroups: int | None = None  # None: engine.attention.metal chooses
     lens: tuple[int, ...] = CONTEXT_LENS  # context length of each sequence
 
     @property

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from engine import blocks_for_budget
-from engine.architecture import probe_kv_shape
-from engine.block_table import BlockTable
-from engine.blocks import BlockAllocator
-from engine.kv_pool import KVPool, KVShape
-from engine.model_adapter import PagedModel, build_step_batch
-from engine.work import SequenceWork
+from engine.kv.block_table import BlockTable
+from engine.kv.blocks import BlockAllocator
+from engine.kv.pool import KVPool, KVShape
+from engine.runner.architecture import probe_kv_shape
+from engine.runner.model_adapter import PagedModel, build_step_batch
+from engine.sched.work import SequenceWork
 from tests.test_architectures import tiny_model
 
 

@@ -1,5 +1,5 @@
-"""engine/models.py, model_folder.py, default_model.py, gguf.py and gguf_cache.py: the default
-model's conversion and its cache, folders, repos, errors.
+"""engine/models/: resolve.py, folder.py, default_model.py, gguf.py and gguf_cache.py: the
+default model's conversion and its cache, folders, repos, errors.
 
 References are independent of the code under test: the GGUF file itself (read with mx.load),
 a hand-written GPT-2 byte-level BPE, the ChatML text written out by hand, and the model's
@@ -24,14 +24,14 @@ from mlx.utils import tree_flatten
 from mlx_lm import generate
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine import default_model
-from engine import gguf as converter
-from engine.default_model import CACHE_DIR_ENV, converted_folder, locate_default_gguf
 from engine.errors import ModelLoadError
-from engine.gguf import GGUF_PATH_ENV
-from engine.gguf_cache import STAMP_FILE, ensure_converted
-from engine.model_folder import LoadedModel
-from engine.models import load_model
+from engine.models import default_model
+from engine.models import gguf as converter
+from engine.models.default_model import CACHE_DIR_ENV, converted_folder, locate_default_gguf
+from engine.models.folder import LoadedModel
+from engine.models.gguf import GGUF_PATH_ENV
+from engine.models.gguf_cache import STAMP_FILE, ensure_converted
+from engine.models.resolve import load_model
 
 CAPITAL_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -1,7 +1,7 @@
 """Every chat overlaps: sampling parameters never force a synchronous step.
 
 The repetition penalty's window and seeded rows' keys live on the device and are carried
-from step to step (engine/step.py, engine/sampling.py), the token in flight appended
+from step to step (engine/runner/step.py, engine/runner/sampling.py), the token in flight appended
 lazily. These tests run one workload of penalised, seeded, stopped and forked (n = 3)
 replies on the tiny model, with a roomy pool and with one so small that sequences are
 preempted and recomputed, once with overlapped steps and once synchronously, and check:

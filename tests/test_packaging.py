@@ -34,7 +34,7 @@ RTHOOK = ROOT / "packaging" / "rthook_openblas.py"
 
 def test_locators_find_files_in_the_source_tree() -> None:
     from app.ui.resources import app_icon_path, resource_path, resources_dir
-    from engine import kernels
+    from engine.attention import metal as kernels
 
     assert resources_dir() == ROOT / "resources"
     assert resource_path("resources/dark.qss") == ROOT / "resources" / "dark.qss"
@@ -67,7 +67,8 @@ def test_locators_find_files_in_a_frozen_linux_folder(
 ) -> None:
     """dist/PagedChat/PagedChat with its files under dist/PagedChat/_internal (_MEIPASS)."""
     from app.ui.resources import app_icon_path, resource_path, resources_dir
-    from engine import default_model, kernel_plans
+    from engine.attention import plans as kernel_plans
+    from engine.models import default_model
 
     internal = tmp_path / "PagedChat" / "_internal"
     gguf = _copy_shipped_files(internal)
@@ -374,7 +375,7 @@ def test_self_test_fails_when_a_resource_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     from app import self_test
-    from engine import kernels
+    from engine.attention import metal as kernels
 
     monkeypatch.setattr(kernels, "SHADER_PATH", tmp_path / "missing.metal")
     assert self_test.main() == 1

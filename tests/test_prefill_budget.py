@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.prefill_budget import PrefillBudget
+from engine.sched.prefill_budget import PrefillBudget
 
 
 def simulate(budget: PrefillBudget, decode: float, overhead: float, per_token: float,

@@ -18,7 +18,7 @@ from app.core.providers.client import check_connection, list_models, stream_chat
 from app.core.providers.records import Provider
 from app.core.store import DB_NAME, Store
 from engine import FinalEvent, FinishReason, SamplingParams, TokenEvent
-from engine.default_model import converted_folder
+from engine.models.default_model import converted_folder
 from tests.provider_servers import FaultServer, free_port, mlx_lm_server, pagedchat_serve
 
 KEY = "sk-test-Zq8vN3-secret-key"

@@ -1,7 +1,7 @@
 """The engine's sampler against an independent numpy oracle (tests/reference.py), statistically.
 
 For each setting, DRAWS tokens are drawn with the engine's batched sampler
-(``engine.sampling.sample_rows``, one batch of DRAWS rows), twice: rows with their own PRNG
+(``engine.runner.sampling.sample_rows``, one batch of DRAWS rows), twice: rows with their own PRNG
 keys (seeded requests: one vmapped draw over the keys) and rows without (unseeded requests:
 one draw on the step's shared key), each under fixed keys (deterministic: the same counts
 on every run), and their frequencies are compared with
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from engine.config import SamplingParams
-from engine.sampling import SamplingRow, new_key, sample_rows
+from engine.runner.sampling import SamplingRow, new_key, sample_rows
 from tests.reference import oracle_distribution
 
 DRAWS = 2000

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from engine.config import SamplingParams
-from engine.sampling import Layout, SamplingRow, draw, new_key, sample_rows
+from engine.runner.sampling import Layout, SamplingRow, draw, new_key, sample_rows
 from tests.reference import sample_next
 
 VOCAB = 4096

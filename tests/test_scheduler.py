@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from engine.block_invariants import check_invariants
-from engine.blocks import BlockAllocator
 from engine.config import SamplingParams
 from engine.events import SequenceState
-from engine.scheduler import Scheduler, StepPlan
-from engine.sequence import Request, Sequence
+from engine.kv.blocks import BlockAllocator
+from engine.kv.invariants import check_invariants
+from engine.sched.scheduler import Scheduler, StepPlan
+from engine.sched.sequence import Request, Sequence
 
 
 def make_seq(tokens: list[int], session: str = "s") -> Sequence:
@@ -124,7 +124,7 @@ def test_short_prompt_arriving_during_a_long_one_is_admitted_at_once_and_finishe
 
 
 def test_a_token_in_flight_is_fed_as_pending_and_resolved_when_read() -> None:
-    from engine.block_table import PENDING
+    from engine.kv.block_table import PENDING
 
     sched = Scheduler(BlockAllocator(16, 4), max_batch=8, prefill_chunk=64)
     seq = make_seq([1, 2, 3], "s")

@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 
 import engine.attention as attention
-import engine.model_adapter as model_adapter
+import engine.runner.model_adapter as model_adapter
 from engine import Engine, EngineConfig, FinishReason, SamplingParams
-from engine.architecture import probe_kv_shape
-from engine.block_table import BlockTable
-from engine.blocks import BlockAllocator
-from engine.kernel_plans import Launch, PlanCache, Ref, plan_key
-from engine.kv_pool import KVPool
-from engine.model_adapter import PagedModel, bucket, build_step_batch
-from engine.work import SequenceWork
+from engine.attention.plans import Launch, PlanCache, Ref, plan_key
+from engine.kv.block_table import BlockTable
+from engine.kv.blocks import BlockAllocator
+from engine.kv.pool import KVPool
+from engine.runner.architecture import probe_kv_shape
+from engine.runner.model_adapter import PagedModel, bucket, build_step_batch
+from engine.sched.work import SequenceWork
 from tests.reference import collect, reference_model
 from tests.test_architectures import tiny_model
 from tests.tiny_model import budget_mib, greedy_with_margin, make_tiny_model
@@ -224,14 +224,14 @@ def test_plan_caches_plan_once_per_shape_and_stay_bounded():
 @pytest.mark.parametrize("backend", ["metal", "cuda"])
 def test_the_kernel_paths_plan_once_per_shape_not_per_layer(monkeypatch, backend):
     if backend == "metal":
-        import engine.kernels as module
+        import engine.attention.metal as module
 
         def call(*args):
             return module.paged_decode_kernel(*args)
 
         planner = "plan_decode"
     else:
-        import engine.cuda_kernels as module
+        import engine.attention.cuda as module
 
         def call(*args):
             return module.paged_decode_cuda(*args)

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.snapshot_cost import busy_pool
-from engine.block_invariants import check_snapshot_state
-from engine.block_table import PENDING
-from engine.telemetry import (
+from engine.kv.block_table import PENDING
+from engine.kv.invariants import check_snapshot_state
+from engine.runner.telemetry import (
     MIN_RATE_SPAN_S,
     RATE_BUCKET_S,
     RATE_WINDOW_S,

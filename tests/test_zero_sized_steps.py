@@ -17,10 +17,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-import engine.model_adapter as model_adapter
-import engine.step as step_module
+import engine.runner.model_adapter as model_adapter
+import engine.runner.step as step_module
 from engine import Engine, EngineConfig, FinishReason, SamplingParams
-from engine.kernel_plans import checked_call
+from engine.attention.plans import checked_call
 from tests.reference import collect, reference_model
 from tests.tiny_model import budget_mib, greedy_with_margin, make_tiny_model
 

@@ -48,7 +48,7 @@ def budget_mib(num_blocks: int, block_size: int) -> float:
 
 #: A tiny Gemma 3 (text): its sliding-window layers (a window of 8 here) disagree with the
 #: paged path, so it fails the paged check and runs on the fallback engine
-#: (engine/fallback.py). (gemma2 fails the check too, but mlx-lm's own batching breaks on it:
+#: (engine/runner/fallback.py). (gemma2 fails the check too, but mlx-lm's own batching breaks on it:
 #: its attention mask does not broadcast over a batch of ragged prompts.)
 GEMMA3 = {**CONFIG, "model_type": "gemma3_text", "sliding_window": 8,
           "sliding_window_pattern": 2, "query_pre_attn_scalar": 16}

@@ -4,8 +4,8 @@ A user learned that a message was too long only after sending it, from an error 
 reply (issue 25). The meter counts, off the GUI thread with the engine's own tokenizer (the
 bridge's `count_tokens`), the whole prompt sending the draft now would give the model, a
 moment after typing stops, and shows what the draft adds and how full the context would be.
-At or over the model's limit (where the engine refuses, engine/admission.py) it turns into a
-warning and `too_long(text)` tells the pane to keep the draft instead of sending it.
+At or over the model's limit (where the engine refuses, engine/requests/admission.py) it
+turns into a warning and `too_long(text)` tells the pane to keep the draft instead of sending it.
 """
 
 from __future__ import annotations

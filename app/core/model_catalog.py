@@ -9,7 +9,7 @@ Everything shown is read from the files: ``config.json`` for the architecture, c
 quantization, the safetensors headers (a JSON index in front of the tensors) for the
 parameter count, the file sizes for the disk. Whether a model runs paged is known for the
 architectures the engine has proven; any other is checked when it loads and otherwise runs on
-mlx-lm's own cache (engine/fallback.py).
+mlx-lm's own cache (engine/runner/fallback.py).
 """
 
 from __future__ import annotations

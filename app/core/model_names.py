@@ -8,7 +8,7 @@ built-in runs as fp32 on the CPU and 4-bit on Metal) is a detail, never part of 
 shows as "weights: fp32" where details are shown (the toolbar's tooltip, the Models window's
 Quantization column).
 
-The engine names the built-in model "SmolLM2-135M-Instruct (fp32)" (engine/default_model.py);
+The engine names the built-in model "SmolLM2-135M-Instruct (fp32)" (engine/models/default_model.py);
 `model_id` and `weights` take that apart here, since the engine's ModelInfo has no separate
 field for it yet.
 """

@@ -271,7 +271,7 @@ class MonitorPanel(QWidget):
         self.timeline.add(c.used, c.cached, c.shared, c.tokens_per_s, c.num_blocks)
 
     def _show_not_paged(self, snap: Any) -> None:
-        """A model on mlx-lm's own cache (engine/fallback.py) has no block pool to draw:
+        """A model on mlx-lm's own cache (engine/runner/fallback.py) has no block pool to draw:
         say so, and what still holds (one batch for every chat), with its live numbers."""
         info = getattr(self.bridge, "model_info", None)
         reason = getattr(info, "not_paged_reason", "") if info is not None else ""

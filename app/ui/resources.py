@@ -10,7 +10,7 @@ tree and a PyInstaller bundle (packaging/pagedchat.spec) differ in one place onl
   ``Contents/Frameworks``; ``Contents/Resources`` is searched too, in case the links are
   missing (e.g. after a copy that dropped symlinks).
 
-The engine must not import app/, so engine/kernel_plans.py finds ``shaders/`` with the same rule
+The engine must not import app/, so engine/attention/plans.py finds ``shaders/`` with the same rule
 (its own package root, or ``sys._MEIPASS`` when frozen).
 """
 

@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every check's outcome here")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
-    from engine.attention import kernel_path
+    from engine.attention.dispatch import kernel_path
 
     modes = ["auto", "reference"] if kernel_path() else ["reference"]
     results = Results()

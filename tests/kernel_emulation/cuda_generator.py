@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.kernel_plans import KernelSource, Launch, Ref
+from engine.attention.plans import KernelSource, Launch, Ref
 from tests.kernel_emulation import generator as gen
 
 CUDA_SHARED_LIMIT = 49152  # bytes of static __shared__ memory per block
@@ -158,7 +158,7 @@ FRONTEND = gen.Frontend(
 def run_plan(
     plan: list[Launch], *, mode: str = "ordered", extra_flags: tuple[str, ...] = ()
 ) -> list[list[mx.array]]:
-    """Execute a launch plan (``engine.cuda_kernels.plan_attention``) in the emulator."""
+    """Execute a launch plan (``engine.attention.cuda.plan_attention``) in the emulator."""
     results: list[list[mx.array]] = []
     for launch in plan:
         inputs = gen.resolve_inputs(launch, results)

@@ -32,7 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.kernel_plans import KernelSource, Launch, Ref
+from engine.attention.plans import KernelSource, Launch, Ref
 
 HERE = Path(__file__).resolve().parent
 HEADER = HERE / "metal_emu.h"
@@ -479,8 +479,8 @@ def resolve_inputs(launch: Launch, results: list[list[mx.array]]) -> list[mx.arr
 def run_plan(
     plan: list[Launch], *, mode: str = "ordered", extra_flags: tuple[str, ...] = ()
 ) -> list[list[mx.array]]:
-    """Execute a launch plan (``engine.kernels.plan_decode``) in the emulator; returns every
-    launch's outputs, like ``engine.kernels.KERNELS.run`` on a Mac."""
+    """Execute a launch plan (``engine.attention.metal.plan_decode``) in the emulator; returns every
+    launch's outputs, like ``engine.attention.metal.KERNELS.run`` on a Mac."""
     results: list[list[mx.array]] = []
     for launch in plan:
         inputs = resolve_inputs(launch, results)

@@ -1,11 +1,11 @@
 """Which mlx-lm architectures may run on the paged pool: proven by test, or checked at load.
 
-The paged path (engine/model_adapter.py) hooks into mlx-lm by its extension points, so an
+The paged path (engine/runner/model_adapter.py) hooks into mlx-lm by its extension points, so an
 architecture whose attention goes around them would answer wrongly rather than fail. This
 module keeps that from ever reaching a user: the architectures in ``PROVEN_ARCHITECTURES``
 are proven by ``tests/test_architectures.py``; any other is run once at load through the
 paged path and through mlx-lm's own cache, and sent to the fallback engine (``NotPaged``,
-engine/fallback.py) when the two disagree. Models that hold no attention K/V at all
+engine/runner/fallback.py) when the two disagree. Models that hold no attention K/V at all
 (state-space layers) or attend through a sliding window go there by name before anything
 runs. Kept apart from the adapter because it runs once per load, never in a
 step.
@@ -19,10 +19,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.errors import NotPaged
-from engine.kv_pool import KVPool, KVShape
-from engine.model_adapter import PagedModel, build_step_batch
-from engine.model_folder import LoadedModel
-from engine.work import SequenceWork
+from engine.kv.pool import KVPool, KVShape
+from engine.models.folder import LoadedModel
+from engine.runner.model_adapter import PagedModel, build_step_batch
+from engine.sched.work import SequenceWork
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ def check_paged_matches(model: nn.Module, shape: KVShape, block_size: int) -> fl
     """
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.block_table import BlockTable
-    from engine.blocks import BlockAllocator
+    from engine.kv.block_table import BlockTable
+    from engine.kv.blocks import BlockAllocator
 
     prompt = [(7 * i + 3) % 100 + 1 for i in range(2 * block_size + 3)]
     feeds = [prompt, [11], [12], [13]]

@@ -10,9 +10,9 @@ import time
 
 from engine.events import FinalEvent, FinishReason, SequenceState, TokenEvent, Usage
 from engine.handle import RequestHandle
-from engine.scheduler import Scheduler
-from engine.sequence import Request, Sequence
-from engine.telemetry import Telemetry
+from engine.runner.telemetry import Telemetry
+from engine.sched.scheduler import Scheduler
+from engine.sched.sequence import Request, Sequence
 
 
 class Output:

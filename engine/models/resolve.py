@@ -1,7 +1,7 @@
 """Model loading: what a model spec names, resolved to a loaded mlx-lm model.
 
-A spec is ``"default"`` (the embedded SmolLM2, engine/default_model.py), a local mlx-lm
-folder (engine/model_folder.py), or a Hugging Face repo id, downloaded here first so that
+A spec is ``"default"`` (the embedded SmolLM2, engine/models/default_model.py), a local mlx-lm
+folder (engine/models/folder.py), or a Hugging Face repo id, downloaded here first so that
 "no such repo" and "no network" get their own fix. Every failure is a ``ModelLoadError``
 whose message says what to do (docs/ARCHITECTURE.md §5).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.config import looks_like_repo_id
-from engine.default_model import load_default_model
 from engine.errors import ModelLoadError, first_line
-from engine.model_folder import LoadedModel, load_folder
+from engine.models.default_model import load_default_model
+from engine.models.folder import LoadedModel, load_folder
 
 DEFAULT_SPEC = "default"
 

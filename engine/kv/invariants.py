@@ -3,7 +3,7 @@
 docs/ARCHITECTURE.md §3.2 states them; the property tests (tests/test_blocks.py), the
 scheduler tests and the engine's no-leak checks call :func:`check_invariants` after every
 operation. It reads the allocator only through its public introspection, so it checks what
-the snapshots and the scheduler see, and it lives outside engine/blocks.py because no
+the snapshots and the scheduler see, and it lives outside engine/kv/blocks.py because no
 engine code path runs it.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from engine.block_table import PENDING, BlockTable
-from engine.blocks import BlockAllocator
+from engine.kv.block_table import PENDING, BlockTable
+from engine.kv.blocks import BlockAllocator
 
 
 def check_invariants(alloc: BlockAllocator, tables: Iterable[BlockTable]) -> None:

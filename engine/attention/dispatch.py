@@ -6,8 +6,8 @@ Two implementations behind one entry point, chosen at run time:
   masked K/V and calls ``mx.fast.scaled_dot_product_attention``. It runs on every backend and
   is the oracle every kernel is tested against;
 * the **kernel** paths read K/V straight from the pool through the block tables: the Metal
-  decode kernel (``engine.kernels``) where the Metal backend is available, the CUDA decode and
-  prefill kernel (``engine.cuda_kernels``) where MLX's CUDA backend is.
+  decode kernel (``engine.attention.metal``) where the Metal backend is available, the CUDA
+  decode and prefill kernel (``engine.attention.cuda``) where MLX's CUDA backend is.
 
 Pool layout (per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 """
@@ -94,10 +94,10 @@ def paged_decode(
     """Decode attention: the backend's kernel when ``use_kernel``, else the reference path."""
     if use_kernel:
         if mx.cuda.is_available():
-            from engine.cuda_kernels import paged_decode_cuda
+            from engine.attention.cuda import paged_decode_cuda
 
             return paged_decode_cuda(q, k_pool, v_pool, block_tables, context_lens, scale)
-        from engine.kernels import paged_decode_kernel
+        from engine.attention.metal import paged_decode_kernel
 
         return paged_decode_kernel(q, k_pool, v_pool, block_tables, context_lens, scale)
     return reference_decode(q, k_pool, v_pool, block_tables, context_lens, scale)
@@ -118,9 +118,9 @@ def paged_prefill(
     blocks through the block table, when ``use_kernel`` on the CUDA backend; else the
     reference path (Metal has no prefill kernel yet). ``block_tables`` ([1, nb]) and
     ``context_lens`` ([1]) are the kernel's forms of the table and the length, when the
-    caller built them once for every layer (engine/model_adapter.py)."""
+    caller built them once for every layer (engine/runner/model_adapter.py)."""
     if use_kernel and mx.cuda.is_available():
-        from engine.cuda_kernels import paged_prefill_cuda
+        from engine.attention.cuda import paged_prefill_cuda
 
         return paged_prefill_cuda(q, k_pool, v_pool, block_table, context_len, scale,
                                   block_tables=block_tables, context_lens=context_lens)

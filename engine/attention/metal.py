@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from engine.kernel_plans import (
+from engine.attention.plans import (
     PARTITION_TOKENS,
     KernelSet,
     KernelSource,
@@ -44,7 +44,7 @@ TG_MEMORY_BUDGET = 16384  # bytes of threadgroup memory for the cross-simdgroup 
 
 #: The Metal kernels (``mx.fast.metal_kernel``) of the shader file.
 KERNELS = KernelSet("metal_kernel", SHADER_PATH, "paged_decode", "paged_decode_reduce", "shader")
-#: Plans by shape, bounded (engine/kernel_plans.py ``PlanCache``): planned once per shape,
+#: Plans by shape, bounded (engine/attention/plans.py ``PlanCache``): planned once per shape,
 #: not on every layer of every step.
 PLANS = PlanCache(KERNELS)
 
@@ -100,7 +100,7 @@ def plan_decode(
 ) -> list[Launch]:
     """The launches computing ``reference_decode``'s result (output 0 of the last launch).
 
-    Shapes as in ``engine.attention.reference_decode``: q [B, H, 1, D]; pools
+    Shapes as in ``engine.attention.dispatch.reference_decode``: q [B, H, 1, D]; pools
     [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [B, max_blocks];
     context_lens [B] (each >= 1). The whole pool arrays are passed (a sliced view would be
     copied by ``ensure_row_contiguous``).
@@ -153,7 +153,7 @@ def paged_decode_kernel(
     context_lens: mx.array,
     scale: float,
 ) -> mx.array:
-    """``engine.attention.reference_decode`` on the Metal kernel: [B, H, 1, D]."""
+    """``engine.attention.dispatch.reference_decode`` on the Metal kernel: [B, H, 1, D]."""
     args = (q, k_pool, v_pool, as_int32(block_tables), as_int32(context_lens),
             _scale_array(float(scale)))
     return PLANS.run(plan_key(*args[:5]), args, lambda: plan_decode(*args[:5], scale))

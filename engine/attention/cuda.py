@@ -7,7 +7,7 @@ with a reduce kernel when the batch would leave the GPU under-filled. The same k
 runs prefill chunks (several query tokens of one sequence, causal) straight from the pool,
 so neither decode nor prefill gathers the blocks into a contiguous copy.
 
-As in ``engine.kernels``, a call is a *launch plan*; the CPU emulation harness
+As in ``engine.attention.metal``, a call is a *launch plan*; the CPU emulation harness
 (``tests/kernel_emulation/cuda_generator.py``) executes the very same plans, so the geometry
 chosen here is what CI verifies.
 """
@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from engine.kernel_plans import (
+from engine.attention.plans import (
     PARTITION_TOKENS,
     KernelSet,
     KernelSource,
@@ -164,7 +164,7 @@ def plan_attention(
     return [attend, reduce]
 
 
-#: Plans by shape, bounded (engine/kernel_plans.py ``PlanCache``).
+#: Plans by shape, bounded (engine/attention/plans.py ``PlanCache``).
 PLANS = PlanCache(KERNELS)
 
 
@@ -192,7 +192,7 @@ def paged_decode_cuda(
     context_lens: mx.array,
     scale: float,
 ) -> mx.array:
-    """``engine.attention.reference_decode`` on the CUDA kernel: [B, H, 1, D]."""
+    """``engine.attention.dispatch.reference_decode`` on the CUDA kernel: [B, H, 1, D]."""
     return _attend(q, k_pool, v_pool, block_tables, context_lens, scale)
 
 
@@ -206,7 +206,7 @@ def paged_prefill_cuda(
     block_tables: mx.array | None = None,
     context_lens: mx.array | None = None,
 ) -> mx.array:
-    """``engine.attention.reference_prefill`` on the CUDA kernel: q [1, H, L, D] -> same.
+    """``engine.attention.dispatch.reference_prefill`` on the CUDA kernel: q [1, H, L, D] -> same.
 
     ``block_tables`` [1, nb] and ``context_lens`` [1] are the table and the length as the
     kernel takes them; the model adapter builds them once per step (else once per layer)."""

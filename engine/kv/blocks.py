@@ -13,8 +13,8 @@ token's K/V goes to. Three things make the pool go further than one rectangle pe
   into a shared partial block copies it first (the copy itself is the pool's job: the
   allocator returns the (src, dst) pairs).
 
-The tables themselves are in engine/block_table.py, the prefix cache's hash index in
-engine/prefix_index.py, and the invariants the tests check in engine/block_invariants.py.
+The tables themselves are in engine/kv/block_table.py, the prefix cache's hash index in
+engine/kv/prefix_index.py, and the invariants the tests check in engine/kv/invariants.py.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from engine.block_table import PENDING, AppendResult, BlockTable, NoFreeBlocksError, chain_hash
-from engine.prefix_index import PrefixIndex
+from engine.kv.block_table import PENDING, AppendResult, BlockTable, NoFreeBlocksError, chain_hash
+from engine.kv.prefix_index import PrefixIndex
 
 
 class BlockAllocator:
@@ -266,11 +266,11 @@ class BlockAllocator:
         return (usage[0], usage[1], usage[2]) if usage is not None else (0, 0, 0)
 
     def owners_with_blocks(self) -> list[str]:
-        """The owners holding at least one block (engine/block_invariants.py checks them)."""
+        """The owners holding at least one block (engine/kv/invariants.py checks them)."""
         return list(self._usage)
 
     def free_and_evictable(self) -> tuple[list[int], list[int]]:
-        """The free list and the evictable LRU, oldest first (engine/block_invariants.py)."""
+        """The free list and the evictable LRU, oldest first (engine/kv/invariants.py)."""
         return list(self._free), list(self._evictable)
 
     # ---- internals --------------------------------------------------------------------------

@@ -26,7 +26,7 @@ the pool's scratch block (``kv_pool.SCRATCH_BLOCK``, which no table names), atte
 slot, and its output is dropped.
 
 Which architectures may use these hooks, and the check at load for the others, live in
-engine/architecture.py.
+engine/runner/architecture.py.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine import attention
-from engine.kv_pool import SCRATCH_BLOCK, KVPool
-from engine.work import SequenceWork
+from engine.attention import dispatch as attention
+from engine.kv.pool import SCRATCH_BLOCK, KVPool
+from engine.sched.work import SequenceWork
 
 #: Pad the step's shapes to buckets (see the module docstring). Off only to compare
 #: against the exact shapes (tests).
@@ -208,7 +208,7 @@ class PagedLayerCache:
         if self._kernel_ok is None:
             self._kernel_ok = False
             if self.use_kernel:
-                from engine.kernel_plans import supports
+                from engine.attention.plans import supports
 
                 shape = self.pool.shape
                 self._kernel_ok = supports(

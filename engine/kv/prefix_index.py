@@ -1,6 +1,6 @@
 """The prefix cache's index: which block holds the K/V of which full-block prefix.
 
-Two maps, both keyed by a block's chain hash (engine/block_table.py ``chain_hash``):
+Two maps, both keyed by a block's chain hash (engine/kv/block_table.py ``chain_hash``):
 
 * *named* blocks: full, computed blocks whose K/V a later prompt with the same prefix may
   reuse. At most one block carries a hash, so two chats that computed the same prefix at
@@ -8,7 +8,7 @@ Two maps, both keyed by a block's chain hash (engine/block_table.py ``chain_hash
 * *pending* hashes: full blocks whose slots are reserved but whose K/V a running step is
   still computing. A prompt that would reuse one waits a step instead of computing it twice.
 
-Kept apart from the allocator's free list and refcounts (engine/blocks.py) because it
+Kept apart from the allocator's free list and refcounts (engine/kv/blocks.py) because it
 answers a different question, "is this content already in the pool?", and has invariants
 of its own.
 """

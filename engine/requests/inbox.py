@@ -13,13 +13,13 @@ import logging
 import queue
 from dataclasses import dataclass
 
-from engine.admission import admit
 from engine.config import SamplingParams
 from engine.events import FinishReason
 from engine.handle import RequestHandle
-from engine.output import Output, refuse
-from engine.scheduler import Scheduler
-from engine.telemetry import Telemetry
+from engine.requests.admission import admit
+from engine.runner.output import Output, refuse
+from engine.runner.telemetry import Telemetry
+from engine.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -2,14 +2,14 @@
 
 Overlapped, as mlx-lm's ``BatchGenerator``: step t+1 is built and launched
 (``mx.async_eval``) with step t's sampled tokens still on the device (they are fed as
-PENDING slots, engine/blocks.py), and only then are step t's tokens read, emitted and
+PENDING slots, engine/kv/blocks.py), and only then are step t's tokens read, emitted and
 checked; the host's work hides behind the device's. A sequence that step t ends (EOS, stop
 string, cancel) has had at most one more token computed, which is dropped, never emitted:
 ``Output.accept_token`` ignores finished sequences. A reply whose token in flight is its
 last (max_tokens) is not scheduled again at all. Every step overlaps, whatever its rows'
 sampling parameters: the sampler's per-row state (the repetition penalty's window of recent
 tokens, seeded rows' PRNG keys) lives on the device and is carried from the step before
-(``Launched.next_state``, engine/sampling.py), the in-flight tokens appended lazily, so
+(``Launched.next_state``, engine/runner/sampling.py), the in-flight tokens appended lazily, so
 nothing in sampling needs them on the host. That state is rebuilt only when the step's
 sampled sequences change (one joins, leaves, or is rerun), from the host's tokens plus the
 token in flight.
@@ -27,17 +27,17 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from engine.block_table import PENDING
 from engine.events import FinishReason
-from engine.kv_pool import KVPool
-from engine.model_adapter import PagedModel, StepBatch, build_step_batch
-from engine.output import Output
-from engine.prefill_budget import PrefillBudget
-from engine.sampling import Layout, RowState, SamplingRow, draw, host_windows, sample_rows
-from engine.scheduler import Scheduler, StepPlan
-from engine.sequence import Sequence
-from engine.telemetry import StepTimes, Telemetry
-from engine.work import SequenceWork
+from engine.kv.block_table import PENDING
+from engine.kv.pool import KVPool
+from engine.runner.model_adapter import PagedModel, StepBatch, build_step_batch
+from engine.runner.output import Output
+from engine.runner.sampling import Layout, RowState, SamplingRow, draw, host_windows, sample_rows
+from engine.runner.telemetry import StepTimes, Telemetry
+from engine.sched.prefill_budget import PrefillBudget
+from engine.sched.scheduler import Scheduler, StepPlan
+from engine.sched.sequence import Sequence
+from engine.sched.work import SequenceWork
 
 logger = logging.getLogger(__name__)
 

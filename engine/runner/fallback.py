@@ -27,10 +27,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.events import FinishReason, SequenceState
-from engine.output import Output
-from engine.sampling import SamplingRow, sample_rows
-from engine.sequence import Sequence
-from engine.telemetry import StepTimes, Telemetry
+from engine.runner.output import Output
+from engine.runner.sampling import SamplingRow, sample_rows
+from engine.runner.telemetry import StepTimes, Telemetry
+from engine.sched.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_table import PENDING, BlockTable
-from engine.blocks import BlockAllocator
 from engine.events import SequenceState
-from engine.sequence import Sequence
-from engine.work import SequenceWork
+from engine.kv.block_table import PENDING, BlockTable
+from engine.kv.blocks import BlockAllocator
+from engine.sched.sequence import Sequence
+from engine.sched.work import SequenceWork
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What the Metal and the CUDA paged-attention kernels share: sources, plans, checks, objects.
 
-Both kernel modules (engine/kernels.py for Metal, engine/cuda_kernels.py for CUDA) describe
-a call as a *launch plan*: which kernel bodies run, with which template arguments, grid,
+Both kernel modules (engine/attention/metal.py for Metal, engine/attention/cuda.py for CUDA)
+describe a call as a *launch plan*: which kernel bodies run, with which template arguments, grid,
 thread group and output shapes. The CPU emulation harness (tests/kernel_emulation) executes
 the very same plans, so the geometry a backend module chooses is what CI verifies. Only the
 geometry and the kernel language differ between the backends; everything else lives here,
@@ -40,7 +40,7 @@ def shaders_root() -> Path:
     PyInstaller bundle (packaging/pagedchat.spec ships ``shaders/`` there as data; the app's
     own files use the same rule through app/ui/resources.py, which the engine must not import)."""
     base = getattr(sys, "_MEIPASS", None) if getattr(sys, "frozen", False) else None
-    return Path(base) if base else Path(__file__).resolve().parent.parent
+    return Path(base) if base else Path(__file__).resolve().parents[2]  # engine/attention/plans.py
 
 
 @dataclass(frozen=True)
@@ -291,7 +291,7 @@ class KernelSet:
 
 
 #: Plans a backend keeps (least recently used dropped first). A steady decode uses one or
-#: two keys (engine/model_adapter.py buckets the shapes); the bound stops a server that sees
+#: two keys (engine/runner/model_adapter.py buckets the shapes); the bound stops a server that sees
 #: every prompt length from growing the cache for ever.
 PLAN_CACHE_SIZE = 128
 
