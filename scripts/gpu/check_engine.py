@@ -34,7 +34,6 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +72,7 @@ class Sizes:
     new_tokens: int
     budget_mib: float
     aux_chunk: int  # the prefill chunk of the prefix/fork/stop/cancel checks
-    cancel_prompt: int  # long enough to be seen mid-prefill in a snapshot (every 50 ms)
+    cancel_prompt: int  # a prefill of hundreds of steps, cancelled halfway
     block_size: int = 16
 
 
@@ -350,34 +349,47 @@ def preemption(results: Results, folder: Path, ref: Reference, sizes: Sizes) -> 
         eng.stop()
 
 
-def cancel_mid_prefill(results: Results, eng: Engine, sizes: Sizes) -> None:
-    long = prompt_of(sizes.cancel_prompt, sizes.vocab, seed=51)
-    handle = eng.submit(prompt_tokens=long, session_id="cancel-me",
-                        params=SamplingParams(temperature=0.0, max_tokens=4))
-    started = threading.Event()
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not handle.done:
-        snap = eng.snapshot()
-        stats = snap.sessions.get("cancel-me") if snap else None
-        if stats is not None and 0 < stats.prompt_tokens_done < stats.prompt_tokens_total:
-            started.set()
-            break
-        time.sleep(0.002)  # polling the engine's published snapshot, not synchronising on it
-    results.check("cancel: the long prompt was seen mid-prefill", started.is_set(),
-                  "the prefill ended before a snapshot showed it in progress")
-    handle.cancel()
-    _, finals = collect(handle)
-    results.check("cancel mid-prefill ends the request cancelled",
-                  finals and finals[0].finish_reason == FinishReason.CANCELLED,
-                  str(finals[0].finish_reason if finals else "no final"))
-    # The next request runs, and the cancelled one's blocks are free again afterwards.
-    _, after = collect(eng.submit(prompt_tokens=prompt_of(20, sizes.vocab, seed=52),
-                                  params=SamplingParams(temperature=0.0, max_tokens=2),
-                                  session_id="after-cancel"))
-    ended_well(results, "request after cancel", after)
-    snap = eng.snapshot()
-    results.check("cancelled request holds no block", "cancel-me" not in {
-        o for owners in snap.owners for o in owners}, "its session still owns blocks")
+def cancel_mid_prefill(results: Results, folder: Path, sizes: Sizes, mode: str) -> None:
+    """Cancel a long prompt halfway through its prefill (16-token chunks: hundreds of steps).
+
+    The halfway point is measured, not guessed: the same length is first prefilled whole
+    (fresh prompts, so no prefix-cache hit; the fastest of two runs after a warm-up), then
+    the request to cancel is cancelled after half that time. It must end cancelled, with
+    nothing generated, and free its blocks."""
+    eng = start(folder, sizes, attention=mode, prefill_chunk=min(sizes.chunks),
+                prefill_target=0)
+    try:
+        one = SamplingParams(temperature=0.0, max_tokens=1)
+        timings = []
+        for seed in (48, 49, 50):  # the first also warms the engine up (compiles, caches)
+            t0 = time.perf_counter()
+            collect(eng.submit(prompt_tokens=prompt_of(sizes.cancel_prompt, sizes.vocab, seed),
+                               params=one, session_id="prefill-timing"))
+            timings.append(time.perf_counter() - t0)
+        whole = min(timings[1:])
+        handle = eng.submit(prompt_tokens=prompt_of(sizes.cancel_prompt, sizes.vocab, seed=51),
+                            session_id="cancel-me", params=one)
+        time.sleep(whole / 2)  # the workload: the user cancels halfway through the prefill
+        handle.cancel()
+        _, finals = collect(handle)
+        final = finals.get(0)
+        results.check(f"[{mode}] cancel mid-prefill ends the request cancelled",
+                      final is not None and final.finish_reason == FinishReason.CANCELLED,
+                      f"{final.finish_reason if final else 'no final'} after {whole / 2:.2f} s "
+                      f"of a {whole:.2f} s prefill")
+        results.check(f"[{mode}] cancel mid-prefill generated nothing",
+                      final is not None and final.usage.generated_tokens == 0,
+                      f"{final.usage.generated_tokens if final else '?'} tokens")
+        # The next request runs, and the cancelled one's blocks are free again afterwards.
+        _, after = collect(eng.submit(prompt_tokens=prompt_of(20, sizes.vocab, seed=52),
+                                      params=SamplingParams(temperature=0.0, max_tokens=2),
+                                      session_id="after-cancel"))
+        ended_well(results, f"[{mode}] request after cancel", after)
+        owners = {o for block in eng.snapshot().owners for o in block}
+        results.check(f"[{mode}] cancelled request holds no block", "cancel-me" not in owners,
+                      "its session still owns blocks")
+    finally:
+        eng.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -404,9 +416,9 @@ def main(argv: list[str] | None = None) -> int:
                 prefix_cache(results, eng, ref, sizes)
                 forks(results, eng, ref, sizes)
                 stop_strings(results, eng, ref, sizes)
-                cancel_mid_prefill(results, eng, sizes)
             finally:
                 eng.stop()
+            cancel_mid_prefill(results, folder, sizes, mode)
         preemption(results, folder, ref, sizes)
     elapsed = time.perf_counter() - t0
     total = len(results.passed) + len(results.failed)
