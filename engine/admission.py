@@ -59,7 +59,8 @@ def admit(
                 index=index,
                 tokens=list(prompt),
                 num_prompt=len(prompt),
-                key=None if params.greedy else new_key(params.seed, index),
+                key=None if params.greedy or params.seed is None
+                else new_key(params.seed, index),
                 detokenizer=tokenizer.detokenizer,
             )
         )

@@ -1,20 +1,32 @@
 """Choosing the next token of every row of a step at once, with mlx-lm's own filters.
 
-One pass per step: the repetition penalty is one gather/scatter over all rows (a penalty of
-1 leaves a row bit-for-bit unchanged), greedy rows share one argmax, and sampled rows are
-grouped by identical filter parameters so mlx-lm's ``apply_top_p`` / ``apply_min_p`` /
-``apply_top_k`` run once per group. The caller reads all tokens with one device-to-host
-transfer. Every operation is row-independent, so a row's token does not depend on which
-other rows share the step (tests/test_sampling.py checks it against the per-row sampler).
+A step's rows are described once per change of the rows (:class:`Layout`: groups, index
+arrays, penalties, built from their parameters), and their device state is carried from one
+step to the next (:class:`RowState`): each row's last tokens for the repetition penalty and
+each seeded row's PRNG key. A step that samples the same sequences as the step before reuses
+both, so drawing costs a fixed handful of MLX operations whatever the batch size, and
+nothing waits on the host: the token sampled by step t is appended to the window on the
+device, lazily, so step t+1 can be built (and penalised) before step t's tokens are read.
 
-Seeded requests carry their own PRNG key (split once per token) instead of MLX's global
-generator, so a row's draw depends only on its own logits, parameters and key, never on the
-other rows (exactly: tests/test_sampling.py). The logits themselves are not batch-invariant:
-the forward's matmuls round differently for another batch composition (about 6e-7 apart on
-the tiny test llama), which can flip a sampled token now and then; a seeded reply replays
-exactly when it runs with the same batches (tests/test_engine.py compares two engines).
-Each sampled row draws with its own ``mx.random.categorical`` call on its own key: MLX has
-no batched draw over per-row keys, and one batched draw with one key would change tokens.
+One pass per step: the repetition penalty is one gather/scatter over all rows (a penalty of
+1 leaves a row bit-for-bit unchanged), greedy rows share one argmax, sampled rows are
+grouped by identical filter parameters so mlx-lm's ``apply_top_p`` / ``apply_min_p`` /
+``apply_top_k`` run once per group, and every sampled row is drawn by one batched
+inverse-CDF pass. The caller reads all tokens with one device-to-host transfer.
+
+The draw. MLX's ``categorical`` on one row (what the engine used to call once per row) is an
+inverse-CDF sampler: one uniform number from the row's key, scaled by the row's unnormalised
+mass and searched in its exclusive cumulative sum. :func:`_inverse_cdf` is that computation
+on every row at once, and the uniforms come from one vmapped draw over the seeded rows' keys
+(``mx.vmap`` of ``mx.random.split`` / ``mx.random.uniform`` gives the same numbers as a call
+per key), so a seeded row draws exactly the token its own ``categorical`` call would
+(tests/test_sampling_batched.py replays the per-row sampler). Rows without a key (unseeded
+requests) take their uniforms from one call on the step's shared key, or MLX's global
+generator. Every operation is row-independent, so a seeded row's token depends only on its
+own logits, parameters, history and key, never on the other rows (exactly:
+tests/test_sampling_batched.py). The logits themselves are not batch-invariant: the
+forward's matmuls round differently for another batch composition (about 6e-7 apart on the
+tiny test llama), which can flip a sampled token now and then (ARCHITECTURE §3.7).
 """
 
 from __future__ import annotations
@@ -23,83 +35,187 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from engine.config import SamplingParams
 
 
-def new_key(seed: int | None, index: int) -> mx.array:
-    """The PRNG key of sample ``index``: from the seed when given, else fresh entropy."""
-    if seed is None:
-        import secrets
-
-        return mx.random.key(secrets.randbits(63))
+def new_key(seed: int, index: int) -> mx.array:
+    """The PRNG key of sample ``index`` of a seeded request (unseeded samples have none:
+    they draw from the step's shared key)."""
     return mx.random.split(mx.random.key(seed), index + 1)[index]
 
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """What one logit row needs to be sampled: its parameters, its recent tokens (for the
-    repetition penalty) and its PRNG key (None when greedy)."""
+    """What one logit row needs to be sampled: its parameters, its tokens so far (the
+    repetition penalty looks at the end) and its own PRNG key: a seeded request's stream,
+    or None (greedy rows, and sampled rows that draw from the step's shared key)."""
 
     params: SamplingParams
     history: Sequence[int]
     key: mx.array | None
 
 
-def sample_rows(logits: mx.array, rows: Sequence[SamplingRow]) -> tuple[mx.array, list]:
-    """Next tokens for ``logits`` [N, vocab] (lazy int32 [N]) and each row's next key.
+@dataclass(frozen=True)
+class RowState:
+    """What a step's rows carry on the device from one step to the next.
 
-    Nothing is evaluated here: the caller evaluates the tokens (and keys) once.
+    windows: [rows, width] int32, each row's last ``width`` tokens, oldest first (None when
+    no row has a penalty); keys: [keyed rows, 2] the seeded rows' next keys, in the
+    layout's ``keyed`` order (None when no row has its own key)."""
+
+    windows: mx.array | None
+    keys: mx.array | None
+
+
+#: One call over every key at once, the same numbers as one call per key.
+_split_each = mx.vmap(mx.random.split)
+_uniform_each = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))
+
+
+class Layout:
+    """Everything a step's sampling needs from its rows' parameters, built once per change
+    of the rows (which sequences, in which order), never per step."""
+
+    def __init__(self, rows: Sequence[SamplingRow]) -> None:
+        params = [r.params for r in rows]
+        self.size = len(rows)
+        penalised = [p.repetition_penalty != 1.0 and len(r.history) > 0
+                     for p, r in zip(params, rows)]
+        #: the widest window among penalised rows (0: no penalty this step)
+        self.width = max((p.repetition_context_size for p, q in zip(params, penalised) if q),
+                         default=0)
+        self.penalty = self.outside = None
+        if self.width:
+            self.penalty = mx.array([[p.repetition_penalty if q else 1.0]
+                                     for p, q in zip(params, penalised)], dtype=mx.float32)
+            context = np.array([p.repetition_context_size for p in params])
+            if (context < self.width).any():
+                # the oldest slots of a narrower window are outside it: they point at the
+                # newest token instead, which rewrites one value with itself
+                self.outside = mx.array(np.arange(self.width)[None, :]
+                                        < (self.width - context)[:, None])
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):
+            if not p.greedy:
+                groups.setdefault((p.temperature, p.top_p, p.min_p, p.top_k), []).append(i)
+        #: per filter group: its parameters and its rows (None: every row of the step)
+        self.groups = [(g, None if len(m) == self.size else mx.array(m, dtype=mx.int32))
+                       for g, m in groups.items()]
+        order = [i for members in groups.values() for i in members]
+        #: rows drawing with their own key (seeded), and with the step's shared key
+        self.keyed = [i for i in order if rows[i].key is not None]
+        self.shared = [i for i in order if rows[i].key is None]
+        position = {row: n for n, row in enumerate(self.keyed + self.shared)}
+        perm = [position[i] for i in order]
+        #: where each sampled row's uniform sits in [keyed ..., shared ...]
+        self.uniform_order = (None if perm == list(range(len(perm)))
+                              else mx.array(perm, dtype=mx.int32))
+        #: the sampled rows, in draw order (None: every row, in order)
+        self.sampled = (None if order == list(range(self.size))
+                        else mx.array(order, dtype=mx.int32))
+
+    def initial_state(self, rows: Sequence[SamplingRow]) -> RowState:
+        """The state of rows seen for the first time: windows from the host's tokens."""
+        windows = None
+        if self.width:
+            windows = mx.array(host_windows([r.history for r in rows], self.width))
+        keys = mx.stack([rows[i].key for i in self.keyed]) if self.keyed else None
+        return RowState(windows, keys)
+
+
+def host_windows(histories: Sequence[Sequence[int]], width: int) -> np.ndarray:
+    """[rows, width] int32: each history's last ``width`` tokens, left-padded with its own
+    oldest one (a repeated token is penalised once, so padding changes nothing)."""
+    out = np.zeros((len(histories), width), dtype=np.int32)
+    for i, history in enumerate(histories):
+        recent = list(history[-width:])
+        if recent:
+            out[i, width - len(recent):] = recent
+            out[i, : width - len(recent)] = recent[0]
+    return out
+
+
+def draw(layout: Layout, logits: mx.array, state: RowState,
+         key: mx.array | None = None) -> tuple[mx.array, RowState]:
+    """Next tokens for ``logits`` [rows, vocab] (lazy int32 [rows]) and the rows' state for
+    the next step (the new tokens appended to the windows, the keys split once).
+
+    ``key`` is the shared key of the rows without their own (None: MLX's global generator).
+    Nothing is evaluated here: the caller evaluates the tokens (and the state) once.
     """
     x = logits.astype(mx.float32)
-    if any(r.params.repetition_penalty != 1.0 for r in rows):
-        x = _penalise_repetitions(x, rows)
+    if layout.width:
+        x = _penalise(x, layout, state.windows)
     tokens = mx.argmax(x, axis=-1).astype(mx.int32)
+    keys = state.keys
+    if layout.groups:
+        scaled = []
+        for (temperature, top_p, min_p, top_k), members in layout.groups:
+            sub = x if members is None else x[members]
+            logprobs = sub - mx.logsumexp(sub, axis=-1, keepdims=True)
+            if 0.0 < top_p < 1.0:
+                logprobs = apply_top_p(logprobs, top_p)
+            if min_p > 0.0:
+                logprobs = apply_min_p(logprobs, min_p)
+            if 0 < top_k < logprobs.shape[-1]:  # top_k = vocabulary size keeps every token
+                logprobs = apply_top_k(logprobs, top_k)
+            scaled.append(logprobs * (1.0 / temperature))
+        scaled = scaled[0] if len(scaled) == 1 else mx.concatenate(scaled)
+        uniforms = []
+        if layout.keyed:
+            pairs = _split_each(keys)  # [keyed, 2 (next, draw), 2]
+            keys = pairs[:, 0]
+            uniforms.append(_uniform_each(pairs[:, 1])[:, 0])
+        if layout.shared:
+            uniforms.append(mx.random.uniform(shape=(len(layout.shared),), key=key))
+        u = uniforms[0] if len(uniforms) == 1 else mx.concatenate(uniforms)
+        if layout.uniform_order is not None:
+            u = u[layout.uniform_order]
+        drawn = _inverse_cdf(scaled, u)
+        if layout.sampled is None:
+            tokens = drawn
+        else:
+            tokens[layout.sampled] = drawn
+    windows = state.windows
+    if windows is not None:  # a rolled window: a stable shape, one operation per step
+        windows = mx.concatenate([windows[:, 1:], tokens[:, None]], axis=1)
+    return tokens, RowState(windows, keys)
+
+
+def sample_rows(logits: mx.array, rows: Sequence[SamplingRow],
+                key: mx.array | None = None) -> tuple[mx.array, list]:
+    """Next tokens for rows seen once (their state built from the host), and each row's
+    next key (None for rows without one). The engine's steps carry the state instead."""
+    layout = Layout(rows)
+    tokens, state = draw(layout, logits, layout.initial_state(rows), key)
     keys = [r.key for r in rows]
-    groups: dict[tuple, list[int]] = {}
-    for i, r in enumerate(rows):
-        if not r.params.greedy:
-            p = r.params
-            groups.setdefault((p.temperature, p.top_p, p.min_p, p.top_k), []).append(i)
-    if not groups:
-        return tokens, keys
-    sampled_rows: list[int] = []
-    sampled: list[mx.array] = []
-    for (temperature, top_p, min_p, top_k), members in groups.items():
-        sub = x[mx.array(members, dtype=mx.int32)] if len(members) < len(rows) else x
-        logprobs = sub - mx.logsumexp(sub, axis=-1, keepdims=True)
-        if 0.0 < top_p < 1.0:
-            logprobs = apply_top_p(logprobs, top_p)
-        if min_p > 0.0:
-            logprobs = apply_min_p(logprobs, min_p)
-        if 0 < top_k < logprobs.shape[-1]:  # top_k = vocabulary size keeps every token
-            logprobs = apply_top_k(logprobs, top_k)
-        scaled = logprobs * (1.0 / temperature)
-        for j, i in enumerate(members):
-            keys[i], draw = mx.random.split(rows[i].key)
-            sampled.append(mx.random.categorical(scaled[j : j + 1], key=draw)[0])
-            sampled_rows.append(i)
-    tokens[mx.array(sampled_rows, dtype=mx.int32)] = mx.stack(sampled).astype(mx.int32)
+    for k, i in enumerate(layout.keyed):
+        keys[i] = state.keys[k]
     return tokens, keys
 
 
-def _penalise_repetitions(x: mx.array, rows: Sequence[SamplingRow]) -> mx.array:
-    """mlx-lm's repetition penalty on every row at once: each row's last
-    ``repetition_context_size`` tokens are divided (positive logits) or multiplied (negative)
-    by its penalty. Rows are padded to the widest window by repeating a token, which rewrites
-    the same value twice; a row without a penalty gets a factor of 1."""
-    width = max(r.params.repetition_context_size for r in rows
-                if r.params.repetition_penalty != 1.0)
-    context = []
-    penalties = []
-    for r in rows:
-        recent = list(r.history[-r.params.repetition_context_size:])
-        penalties.append([r.params.repetition_penalty if recent else 1.0])
-        recent = recent[-width:] or [0]
-        context.append(recent + [recent[-1]] * (width - len(recent)))
-    index = mx.array(context, dtype=mx.int32)
-    penalty = mx.array(penalties, dtype=mx.float32)
+def _penalise(x: mx.array, layout: Layout, windows: mx.array) -> mx.array:
+    """mlx-lm's repetition penalty on every row at once: each token in a row's window is
+    divided (positive logit) or multiplied (negative) by its penalty, once however often it
+    occurs (rewriting a value with itself); a row without a penalty gets a factor of 1."""
+    index = windows
+    if layout.outside is not None:
+        index = mx.where(layout.outside, windows[:, -1:], windows)
     selected = mx.take_along_axis(x, index, axis=-1)
-    selected = mx.where(selected < 0, selected * penalty, selected / penalty)
+    selected = mx.where(selected < 0, selected * layout.penalty, selected / layout.penalty)
     return mx.put_along_axis(x, index, selected, axis=-1)
+
+
+def _inverse_cdf(logits: mx.array, u: mx.array) -> mx.array:
+    """Row i's draw for the uniform number ``u[i]``, as MLX's one-row ``categorical`` makes
+    it (its inverse-CDF path, mlx/random.cpp): the unnormalised weights exp(x - max) (a
+    row whose max is infinite weighs its maximal entries equally), their exclusive running
+    sum, and the last index whose running sum is <= u times the total."""
+    m = mx.max(logits, axis=-1, keepdims=True)
+    w = mx.where(mx.isinf(m), (logits == m).astype(mx.float32), mx.exp(logits - m))
+    cdf = mx.cumsum(w, axis=-1, inclusive=False)
+    target = u[:, None] * mx.sum(w, axis=-1, keepdims=True)
+    return (mx.sum(cdf <= target, axis=-1) - 1).astype(mx.int32)

@@ -178,8 +178,9 @@ class Scheduler:
         return used
 
     def resolve(self, seq: Sequence, token: int) -> None:
-        """``seq``'s token in flight has been read: fill its PENDING slot, if it has one."""
-        seq.inflight = False
+        """``seq``'s oldest token in flight has been read: fill its PENDING slot, if it has
+        one (a newer token of ``seq`` may be in flight already: it stays counted)."""
+        seq.inflight = max(0, seq.inflight - 1)
         table = seq.table
         if table is not None and table.tokens and table.tokens[-1] == PENDING:
             self.alloc.resolve_pending(table, token)

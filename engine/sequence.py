@@ -49,7 +49,7 @@ class Sequence:
     index: int
     tokens: list[int]
     num_prompt: int
-    key: mx.array | None
+    key: mx.array | None  # a seeded sample's PRNG key (engine/sampling.py); else None
     detokenizer: StreamingDetokenizer
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     table: BlockTable | None = None
@@ -61,9 +61,15 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     preemptions: int = 0
-    #: A token has been sampled on the device and not read yet (overlapped steps): the next
-    #: step may already feed it, as a PENDING slot (engine/blocks.py).
-    inflight: bool = False
+    #: The launch (StepRunner's count) whose draw left ``key`` where it is: while the same
+    #: rows keep decoding their keys are carried by the steps (engine/step.py) and ``key``
+    #: is written back only when they stop; a step rerun late never takes a key back.
+    key_from: int = 0
+    #: Tokens sampled on the device and not read yet (overlapped steps): the next step may
+    #: already feed the newest, as a PENDING slot (engine/blocks.py). A count, not a flag:
+    #: step t+1 is launched (one more) before step t's token is read (one less), and the
+    #: sequence must still count t+1's token when the next step is scheduled.
+    inflight: int = 0
 
     @property
     def session_id(self) -> str:

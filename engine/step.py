@@ -6,8 +6,15 @@ PENDING slots, engine/blocks.py), and only then are step t's tokens read, emitte
 checked; the host's work hides behind the device's. A sequence that step t ends (EOS, stop
 string, cancel) has had at most one more token computed, which is dropped, never emitted:
 ``Output.accept_token`` ignores finished sequences. A reply whose token in flight is its
-last (max_tokens) is not scheduled again at all. Rows that need the in-flight tokens on the
-host (the repetition penalty reads the history) make the step read first.
+last (max_tokens) is not scheduled again at all. Every step overlaps, whatever its rows'
+sampling parameters: the sampler's per-row state (the repetition penalty's window of recent
+tokens, seeded rows' PRNG keys) lives on the device and is carried from the step before
+(``Launched.next_state``, engine/sampling.py), the in-flight tokens appended lazily, so
+nothing in sampling needs them on the host. That state is rebuilt only when the step's
+sampled sequences change (one joins, leaves, or is rerun), from the host's tokens plus the
+token in flight. A sequence counts its tokens in flight (``Sequence.inflight``: two between
+step t+1's launch and step t's read), so reading step t never hides step t+1's token from
+the scheduler, and every sequence decodes in every step.
 
 A failing forward is retried one sequence at a time so that only the culprits fail; an
 exception while handling one sequence (sampling, accepting its token) fails that sequence
@@ -21,6 +28,7 @@ import time
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import numpy as np
 
 from engine.block_table import PENDING
 from engine.events import FinishReason
@@ -28,7 +36,7 @@ from engine.kv_pool import KVPool
 from engine.model_adapter import PagedModel, StepBatch, build_step_batch
 from engine.output import Output
 from engine.prefill_budget import PrefillBudget
-from engine.sampling import SamplingRow, sample_rows
+from engine.sampling import Layout, RowState, SamplingRow, draw, host_windows, sample_rows
 from engine.scheduler import Scheduler, StepPlan
 from engine.sequence import Sequence
 from engine.telemetry import StepTimes, Telemetry
@@ -54,14 +62,30 @@ class Launched:
     works: list[SequenceWork]
     fanout: list[list[Sequence]]  # per work: the sequences drawing from its logits
     seqs: list[Sequence]  # one per sampled row
-    rows: list[SamplingRow]  # their sampling inputs (keys before this step's draw)
+    rows: list[SamplingRow]  # their sampling inputs (their keys may predate ``state``'s)
     tokens: mx.array  # [len(seqs)] lazy
-    keys: list  # each row's next key (lazy)
+    layout: Layout  # the rows' sampling layout (shared by the steps with the same rows)
+    state: RowState  # the rows' state before this step's draw
+    next_state: RowState  # after it: this step's tokens in the windows, the keys split
+    number: int  # launches counted from 1: which of two steps drew later
 
     def row_of(self, seq: Sequence) -> int:
-        if not hasattr(self, "_rows"):
-            self._rows = {id(s): i for i, s in enumerate(self.seqs)}
-        return self._rows[id(seq)]
+        return self.index[id(seq)]
+
+    @property
+    def index(self) -> dict[int, int]:
+        """Row of each sequence, by id (built when first asked: only a step whose rows
+        change, or that feeds or reruns rows, needs it)."""
+        if not hasattr(self, "_index"):
+            self._index = {id(s): i for i, s in enumerate(self.seqs)}
+        return self._index
+
+    def row(self, seq: Sequence) -> SamplingRow:
+        """``seq``'s sampling inputs as this step drew them, its key included (a rerun)."""
+        i = self.row_of(seq)
+        if self.rows[i].key is None:
+            return self.rows[i]
+        return replace(self.rows[i], key=self.state.keys[self.layout.keyed.index(i)])
 
 
 class StepRunner:
@@ -76,14 +100,16 @@ class StepRunner:
         self.prefill = prefill
         self.overlap = overlap
         self._inflight: Launched | None = None
+        #: the latest launched step whose rows' sampling state the next step may carry
+        self._last: Launched | None = None
+        self._launches = 0
+        #: steps launched while the previous step's tokens were still unread on the device
+        self.launched_ahead = 0
         self._times = StepTimes()
 
     def step(self) -> None:
         times = self._times = StepTimes()
-        t0 = time.perf_counter()
-        if self._inflight is not None and not self._can_overlap():
-            self._read(self._take_inflight())
-        t_schedule = time.perf_counter()
+        t0 = t_schedule = time.perf_counter()
         plan = self.scheduler.schedule(self.prefill.budget(self.scheduler.decoding))
         if self._inflight is not None and any(seq.inflight for seq, _ in plan.failed):
             self._read(self._take_inflight())  # their last token is in flight: keep it
@@ -100,6 +126,8 @@ class StepRunner:
             self.pool.copy_blocks(plan.copies)
             times.schedule = time.perf_counter() - t_schedule
             launched = self._launch(plan)
+            if launched is not None and self._inflight is not None:
+                self.launched_ahead += 1
             self.scheduler.commit(plan)
         if self._inflight is not None:
             self._read(self._take_inflight())
@@ -118,10 +146,11 @@ class StepRunner:
 
     def discard_inflight(self) -> None:
         """Let the step in flight finish on the device, unread (the engine is stopping)."""
+        self._last = None
         if self._inflight is not None:
             launched = self._take_inflight()
             for seq in launched.seqs:
-                seq.inflight = False
+                seq.inflight = 0
             try:
                 mx.eval(launched.tokens)
             except Exception:  # its requests are being cancelled anyway
@@ -130,11 +159,6 @@ class StepRunner:
     def _take_inflight(self) -> Launched:
         launched, self._inflight = self._inflight, None
         return launched
-
-    def _can_overlap(self) -> bool:
-        return self.overlap and all(
-            s.request.params.repetition_penalty == 1.0 for s in self.scheduler.running
-        )
 
     # ---- launching ----------------------------------------------------------------------------
 
@@ -148,6 +172,7 @@ class StepRunner:
             logger.warning("step failed (%s); isolating its %d sequences", e, len(plan.works))
             if self._inflight is not None:
                 self._read(self._take_inflight())
+            self._drop_carry()
             for work in plan.works:
                 self._run_alone(work, None)
             return None
@@ -170,15 +195,98 @@ class StepRunner:
             return None
         if owners != list(range(logits.shape[0])):
             logits = logits[mx.array(owners, dtype=mx.int32)]
-        tokens, keys = sample_rows(logits, rows)
+        layout, state = self._row_state(seqs, rows)
+        tokens, next_state = draw(layout, logits, state)
         t2 = time.perf_counter()
-        mx.async_eval(tokens, [k for k in keys if k is not None])
+        mx.async_eval(tokens, [a for a in (next_state.windows, next_state.keys) if a is not None])
         self._times.sample += t2 - t1
         self._times.forward += time.perf_counter() - t2  # on the CPU it runs right here
-        for s, key in zip(seqs, keys):
-            s.inflight = True
-            s.key = key  # lazy: the next step may draw before this one is read
-        return Launched(list(plan.works), fanout, seqs, rows, tokens, keys)
+        for s in seqs:
+            s.inflight += 1
+        self._launches += 1
+        self._last = Launched(list(plan.works), fanout, seqs, rows, tokens, layout, state,
+                              next_state, self._launches)
+        return self._last
+
+    # ---- the sampler's state, carried between steps ------------------------------------------
+
+    def _row_state(self, seqs: list[Sequence], rows: list[SamplingRow]
+                   ) -> tuple[Layout, RowState]:
+        """The layout and device state of this step's rows: the previous step's, carried
+        as they are, when it sampled the same sequences in the same order (a steady decode:
+        no per-row work at all); else a new layout, each row's window taken from the
+        previous step's when it was there, or built from the host's tokens (plus the token
+        in flight, lazily), and the keys from the sequences (once the previous step's are
+        written back)."""
+        src = self._last
+        if src is not None and src.seqs == seqs:
+            return src.layout, src.next_state
+        if src is not None:
+            self._settle(src)
+        layout = Layout(rows)
+        windows = None
+        if layout.width:
+            previous = src.next_state.windows if src is not None else None
+            if previous is not None and src.layout.width != layout.width:
+                previous = None
+            windows = self._windows(seqs, rows, layout.width, src, previous)
+        keys = mx.stack([seqs[i].key for i in layout.keyed]) if layout.keyed else None
+        return layout, RowState(windows, keys)
+
+    def _windows(self, seqs: list[Sequence], rows: list[SamplingRow], width: int,
+                 src: Launched | None, previous: mx.array | None) -> mx.array:
+        """[rows, width]: a row the previous step sampled keeps its window (``previous``,
+        when as wide); the others are built from the host's tokens, the newest taken from
+        the step in flight when it is still there."""
+        kept_from, fresh, tails, tails_from = [], [], [], []
+        for i, s in enumerate(seqs):
+            j = src.index.get(id(s)) if previous is not None else None
+            if j is not None:
+                kept_from.append(j)
+                continue
+            if s.inflight:  # its newest token is still on the device
+                tails.append(len(fresh))
+                tails_from.append(self._inflight.row_of(s))
+            fresh.append(i)
+        if not fresh:
+            return previous[mx.array(kept_from)]
+        host = host_windows([rows[i].history for i in fresh], width)
+        host[tails, :-1] = host[tails, 1:]
+        built = mx.array(host)
+        if tails:
+            built[mx.array(tails), -1] = self._inflight.tokens[mx.array(tails_from)]
+        if not kept_from:
+            return built
+        # kept rows first, then the built ones; back into the rows' order with one gather
+        order = np.empty(len(seqs), dtype=np.int32)
+        fresh_mask = np.zeros(len(seqs), dtype=bool)
+        fresh_mask[fresh] = True
+        order[~fresh_mask] = np.arange(len(kept_from))
+        order[fresh] = len(kept_from) + np.arange(len(fresh))
+        both = mx.concatenate([previous[mx.array(kept_from)], built])
+        return both[mx.array(order)]
+
+    def _settle(self, launched: Launched) -> None:
+        """Write ``launched``'s next keys back to its sequences (lazily): the steps after it
+        stop carrying them, so a sequence's own ``key`` must continue its stream."""
+        keys = launched.next_state.keys
+        for k, i in enumerate(launched.layout.keyed):
+            self._set_key(launched.seqs[i], keys[k], launched.number)
+
+    @staticmethod
+    def _set_key(seq: Sequence, key: mx.array, number: int) -> None:
+        """``seq``'s key after draw ``number``, unless a later draw's is already there (a
+        step rerun after the next one was launched must not take its key back)."""
+        if number >= seq.key_from:
+            seq.key = key
+            seq.key_from = number
+
+    def _drop_carry(self) -> None:
+        """The next step builds its rows' state afresh (a step is being rerun or run one
+        sequence at a time: what the last launch carried may no longer be its rows')."""
+        if self._last is not None:
+            self._settle(self._last)
+            self._last = None
 
     def _feed_inflight(self, batch: StepBatch, works: list[SequenceWork]) -> StepBatch:
         """Put the previous step's sampled tokens (still lazy) where works feed PENDING."""
@@ -218,20 +326,19 @@ class StepRunner:
         self._guard(seq, self.output.accept_token, seq, token)
 
     def _rerun(self, launched: Launched) -> None:
-        for seq in launched.seqs:
-            seq.inflight = False
-        rows = dict(zip(map(id, launched.seqs), launched.rows))
+        self._drop_carry()  # each sequence's token is resolved as it is accepted again
+        index = launched.index
         for work, fanout in zip(launched.works, launched.fanout):
-            if fanout:
-                self._run_alone(work, [(s, rows[id(s)]) for s in fanout if id(s) in rows])
-            else:
-                self._run_alone(work, [])
+            samples = [(s, launched.row(s)) for s in fanout if id(s) in index]
+            self._run_alone(work, samples, launched.number)
 
-    def _run_alone(self, work: SequenceWork, samples: list | None) -> None:
+    def _run_alone(self, work: SequenceWork, samples: list | None,
+                   number: int | None = None) -> None:
         """Run one work synchronously; an exception fails its sequences only.
 
         samples: the (sequence, row) pairs drawing from its logits when they were decided
-        at launch (None: decide now, forking if the prompt just ended).
+        at launch (None: decide now, forking if the prompt just ended); number: the launch
+        whose draws they redo (None: a draw after every launch so far).
         """
         seq = work.seq
         if seq.finished:
@@ -255,14 +362,17 @@ class StepRunner:
         for s, row in samples:
             if s.finished:
                 continue
-            token = self._guard(s, self._sample_one, s, logits[0:1], row)
+            token = self._guard(s, self._sample_one, s, logits[0:1], row,
+                                self._launches if number is None else number)
             if token is not None:
                 self._accept(s, token)
 
-    def _sample_one(self, seq: Sequence, logits: mx.array, row: SamplingRow) -> int:
+    def _sample_one(self, seq: Sequence, logits: mx.array, row: SamplingRow,
+                    number: int) -> int:
         tokens, keys = sample_rows(logits, [row])
         mx.eval(tokens, [k for k in keys if k is not None])
-        seq.key = keys[0]
+        if keys[0] is not None:
+            self._set_key(seq, keys[0], number)
         return tokens.item()
 
     def _guard(self, seq: Sequence, fn, *args):

@@ -1,8 +1,10 @@
 """The engine's sampler against an independent numpy oracle (tests/reference.py), statistically.
 
 For each setting, DRAWS tokens are drawn with the engine's batched sampler
-(``engine.sampling.sample_rows``, one batch of DRAWS rows) under a fixed set of PRNG keys
-(deterministic: the same counts on every run) and their frequencies are compared with
+(``engine.sampling.sample_rows``, one batch of DRAWS rows), twice: rows with their own PRNG
+keys (seeded requests: one vmapped draw over the keys) and rows without (unseeded requests:
+one draw on the step's shared key), each under fixed keys (deterministic: the same counts
+on every run), and their frequencies are compared with
 softmax(logits / T) restricted to the kept set: a token outside the set must never be
 drawn, and Pearson's chi-square over the set must stay under its 1e-6 quantile. Each filter
 and the repetition penalty is checked on its own, then all together, so a sampler that ignored
@@ -32,18 +34,26 @@ def chi2_quantile(df: int, z: float = 4.753) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def draw_counts(params: SamplingParams, history: list[int], draws: int = DRAWS) -> np.ndarray:
+def draw_counts(params: SamplingParams, history: list[int], draws: int = DRAWS,
+                keyed: bool = True) -> np.ndarray:
+    """Token counts of ``draws`` rows: each with its own key (keyed), or all without one,
+    drawing from one shared key."""
     logits = mx.broadcast_to(mx.array(LOGITS), (draws, len(LOGITS)))
     keys = mx.random.split(mx.random.key(20240611), draws)
-    rows = [SamplingRow(params, history, keys[i]) for i in range(draws)]
-    tokens, _ = sample_rows(logits, rows)
+    rows = [SamplingRow(params, history, keys[i] if keyed else None) for i in range(draws)]
+    tokens, _ = sample_rows(logits, rows, key=mx.random.key(612))
     return np.bincount(np.array(tokens).tolist(), minlength=len(LOGITS))
 
 
 def assert_follows(params: SamplingParams, history: list[int] = ()) -> np.ndarray:
     history = list(history)
     expected = oracle_distribution(LOGITS, params, history)
-    counts = draw_counts(params, history)
+    for keyed in (True, False):
+        assert_counts_follow(expected, draw_counts(params, history, keyed=keyed))
+    return expected
+
+
+def assert_counts_follow(expected: np.ndarray, counts: np.ndarray) -> None:
     kept = expected > 0
     outside = counts[~kept].sum()
     assert outside == 0, f"{outside} draws of tokens outside the kept set {np.flatnonzero(kept)}"
@@ -55,7 +65,6 @@ def assert_follows(params: SamplingParams, history: list[int] = ()) -> np.ndarra
             f"chi-square {chi2:.1f} (df {df}): counts {counts[kept].tolist()}, "
             f"expected {np.round(e).astype(int).tolist()}"
         )
-    return expected
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
@@ -133,13 +142,24 @@ def test_filters_and_penalty_together():
 
 def test_greedy_is_the_argmax_after_the_penalty():
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
-    counts = draw_counts(params, [0], draws=50)
-    # 3.0 / 2 = 1.5 < 2.5: the penalty moves the argmax from token 0 to token 1
-    assert counts[1] == 50
+    for keyed in (True, False):
+        counts = draw_counts(params, [0], draws=50, keyed=keyed)
+        # 3.0 / 2 = 1.5 < 2.5: the penalty moves the argmax from token 0 to token 1
+        assert counts[1] == 50
 
 
 def test_seeded_keys_give_each_sample_its_own_stream():
     a0, a1 = new_key(5, 0), new_key(5, 1)
     assert not np.array_equal(np.array(a0), np.array(a1))
     assert np.array_equal(np.array(new_key(5, 1)), np.array(a1))
-    assert new_key(None, 0).shape == a0.shape
+
+
+def test_rows_without_a_key_draw_from_the_shared_key_alone() -> None:
+    """Unseeded rows: the shared key decides their tokens (the same key, the same tokens;
+    another key, others), and the draw does not repeat one number across rows."""
+    logits = mx.broadcast_to(mx.array(LOGITS), (64, len(LOGITS)))
+    rows = [SamplingRow(SamplingParams(temperature=1.0), [], None)] * 64
+    first = sample_rows(logits, rows, key=mx.random.key(1))[0].tolist()
+    assert sample_rows(logits, rows, key=mx.random.key(1))[0].tolist() == first
+    assert sample_rows(logits, rows, key=mx.random.key(2))[0].tolist() != first
+    assert len(set(first)) > 3

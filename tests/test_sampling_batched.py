@@ -1,17 +1,22 @@
 """The batched sampler against the engine's former per-row sampler (tests/reference.py).
 
 Same logits, seeds and parameters must give exactly the same tokens and the same next keys,
-step after step, whatever the mix of greedy and sampled rows in the batch.
+step after step, whatever the mix of greedy and sampled rows in the batch: the batched
+inverse-CDF draw over vmapped per-row keys gives each seeded row the token of its own
+``mx.random.categorical`` call, and the windows carried on the device give the penalty the
+history the per-row sampler reads from a Python list.
 """
 
 from __future__ import annotations
+
+import io
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from engine.config import SamplingParams
-from engine.sampling import SamplingRow, new_key, sample_rows
+from engine.sampling import Layout, SamplingRow, draw, new_key, sample_rows
 from tests.reference import sample_next
 
 VOCAB = 4096
@@ -108,3 +113,67 @@ def test_a_row_draws_the_same_token_alone_or_inside_any_batch() -> None:
                 for i in order]
         tokens, _ = sample_rows(logits[mx.array(order)], rows)
         assert tokens.tolist()[order.index(target)] == alone.item()
+
+
+APP_DEFAULT = dict(temperature=0.3, top_p=0.9, repetition_penalty=1.15,
+                   repetition_context_size=128)
+
+
+def wide_mix(rows: int) -> list[SamplingParams]:
+    """Every kind of row at once: the app's default (seeded, a 128-token window), narrower
+    windows, other filters, greedy with and without a penalty."""
+    kinds = [
+        lambda i: SamplingParams(**APP_DEFAULT, seed=i),
+        lambda i: SamplingParams(temperature=0.0),
+        lambda i: SamplingParams(temperature=1.2, top_k=30, repetition_penalty=1.4,
+                                 repetition_context_size=5, seed=i),
+        lambda i: SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        lambda i: SamplingParams(temperature=0.8, min_p=0.05, seed=i),
+    ]
+    return [kinds[i % len(kinds)](1000 + i) for i in range(rows)]
+
+
+def test_state_carried_between_steps_equals_the_per_row_sampler() -> None:
+    """The engine's steady decode: the layout built once, the windows and keys carried on
+    the device from step to step (each step's tokens appended to the windows without the
+    host), 64 rows over 8 steps: every token and key equals the per-row sampler's, which
+    reads the whole history from a Python list and draws with its own categorical call."""
+    params = wide_mix(64)
+    rng = np.random.default_rng(5)
+    histories = [history(rng) + rng.integers(1000, VOCAB, size=150).tolist() for _ in params]
+    histories[1] = histories[1][-3:]  # a history shorter than its window
+    keys = [None if p.greedy else new_key(p.seed, 0) for p in params]
+    rows = [SamplingRow(p, h, k) for p, h, k in zip(params, histories, keys)]
+    layout = Layout(rows)
+    state = layout.initial_state(rows)
+    ref_hist = [list(h) for h in histories]
+    ref_keys = list(keys)
+    for _ in range(8):
+        logits = random_logits(rng, len(params))
+        tokens, state = draw(layout, logits, state)
+        got = tokens.tolist()
+        for i, p in enumerate(params):
+            token, ref_keys[i] = sample_next(logits[i], p, ref_hist[i], ref_keys[i])
+            assert got[i] == token.item(), f"row {i}"
+            ref_hist[i].append(got[i])
+        for k, i in enumerate(layout.keyed):
+            assert mx.array_equal(state.keys[k], ref_keys[i]).item()
+    assert layout.width == 128 and layout.outside is not None
+
+
+def test_one_draw_per_step_whatever_the_number_of_rows() -> None:
+    """The random numbers of a step come from a fixed number of operations (a vmapped split
+    and uniform over the seeded rows' keys, one uniform on the shared key), not one call per
+    row: the step's graph holds the same few RandomBits nodes for 8 rows as for 64."""
+    def random_nodes(rows: int) -> int:
+        params = wide_mix(rows)
+        rows_ = [SamplingRow(p, [1, 2, 3], None if p.greedy or i % 2 else new_key(p.seed, 0))
+                 for i, p in enumerate(params)]
+        mx.eval([r.key for r in rows_ if r.key is not None])  # the keys' own making aside
+        tokens, _ = sample_rows(random_logits(np.random.default_rng(0), rows), rows_,
+                                key=mx.random.key(0))
+        out = io.StringIO()
+        mx.export_to_dot(out, tokens)
+        return out.getvalue().count('label ="RandomBits"')
+
+    assert random_nodes(8) == random_nodes(64) <= 3
