@@ -16,7 +16,8 @@ preempted and recomputed, once with overlapped steps and once synchronously, and
 
 The workload's windows differ (6, 12 and 128 tokens) and its replies end at different
 steps, so the rows' state is rebuilt mid-flight as rows leave and the widest window goes,
-as well as carried.
+as well as carried. A last test reruns a step after the next one was launched (a failed
+read) and checks that no seeded stream lost or repeated a key.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
+import engine.runner.step as step_module
 from engine import Engine, EngineConfig, FinishReason, SamplingParams
 from tests.reference import (
     collect,
@@ -172,3 +174,28 @@ def test_the_workloads_penalties_change_its_greedy_replies(tiny: Path) -> None:
         prompt = prompt_of(length, i)
         plain = SamplingParams(temperature=0.0, max_tokens=params.max_tokens)
         assert greedy_reference(tiny, prompt, params) != greedy_reference(tiny, prompt, plain)
+
+
+def test_a_step_rerun_after_the_next_was_launched_keeps_every_stream(tiny: Path,
+                                                                      monkeypatch) -> None:
+    """A step whose read fails is rerun one sequence at a time, while the step after it is
+    already launched with the carried windows and keys. The rerun draws with the keys the
+    failed step drew with, must not take back the keys the launched step moved on, and the
+    steps after it rebuild their state from the host: the replies equal the synchronous
+    engine's, seeded and penalised ones included."""
+    synchronous, _ = run(tiny, overlap=False, num_blocks=256)
+    real_read = step_module.StepRunner._read
+    failed = []
+
+    def read(runner, launched):
+        if launched.number == 6 and not failed:
+            assert runner._last is not None and runner._last.number == 7  # 7 is in flight
+            failed.append(launched.number)
+            runner._rerun(launched)  # as _read does when the device fails
+            return
+        real_read(runner, launched)
+
+    monkeypatch.setattr(step_module.StepRunner, "_read", read)
+    overlapped, _ = run(tiny, overlap=True, num_blocks=256)
+    assert failed == [6]
+    assert overlapped == synchronous

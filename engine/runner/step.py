@@ -12,7 +12,9 @@ tokens, seeded rows' PRNG keys) lives on the device and is carried from the step
 (``Launched.next_state``, engine/runner/sampling.py), the in-flight tokens appended lazily, so
 nothing in sampling needs them on the host. That state is rebuilt only when the step's
 sampled sequences change (one joins, leaves, or is rerun), from the host's tokens plus the
-token in flight.
+token in flight. A sequence counts its tokens in flight (``Sequence.inflight``: two between
+step t+1's launch and step t's read), so reading step t never hides step t+1's token from
+the scheduler, and every sequence decodes in every step.
 
 A failing forward is retried one sequence at a time so that only the culprits fail; an
 exception while handling one sequence (sampling, accepting its token) fails that sequence
@@ -26,6 +28,7 @@ import time
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import numpy as np
 
 from engine.events import FinishReason
 from engine.kv.block_table import PENDING
@@ -223,28 +226,45 @@ class StepRunner:
         layout = Layout(rows)
         windows = None
         if layout.width:
-            width = layout.width
             previous = src.next_state.windows if src is not None else None
-            if previous is not None and src.layout.width != width:
+            if previous is not None and src.layout.width != layout.width:
                 previous = None
-            host = host_windows([r.history for r in rows], width)
-            kept, kept_from, tails, tails_from = [], [], [], []
-            for i, s in enumerate(seqs):
-                j = src.index.get(id(s)) if previous is not None else None
-                if j is not None:
-                    kept.append(i)
-                    kept_from.append(j)
-                elif s.inflight:  # its newest token is still on the device
-                    host[i, :-1] = host[i, 1:]
-                    tails.append(i)
-                    tails_from.append(self._inflight.row_of(s))
-            windows = mx.array(host)
-            if tails:
-                windows[mx.array(tails), -1] = self._inflight.tokens[mx.array(tails_from)]
-            if kept:
-                windows[mx.array(kept)] = previous[mx.array(kept_from)]
+            windows = self._windows(seqs, rows, layout.width, src, previous)
         keys = mx.stack([seqs[i].key for i in layout.keyed]) if layout.keyed else None
         return layout, RowState(windows, keys)
+
+    def _windows(self, seqs: list[Sequence], rows: list[SamplingRow], width: int,
+                 src: Launched | None, previous: mx.array | None) -> mx.array:
+        """[rows, width]: a row the previous step sampled keeps its window (``previous``,
+        when as wide); the others are built from the host's tokens, the newest taken from
+        the step in flight when it is still there."""
+        kept_from, fresh, tails, tails_from = [], [], [], []
+        for i, s in enumerate(seqs):
+            j = src.index.get(id(s)) if previous is not None else None
+            if j is not None:
+                kept_from.append(j)
+                continue
+            if s.inflight:  # its newest token is still on the device
+                tails.append(len(fresh))
+                tails_from.append(self._inflight.row_of(s))
+            fresh.append(i)
+        if not fresh:
+            return previous[mx.array(kept_from)]
+        host = host_windows([rows[i].history for i in fresh], width)
+        host[tails, :-1] = host[tails, 1:]
+        built = mx.array(host)
+        if tails:
+            built[mx.array(tails), -1] = self._inflight.tokens[mx.array(tails_from)]
+        if not kept_from:
+            return built
+        # kept rows first, then the built ones; back into the rows' order with one gather
+        order = np.empty(len(seqs), dtype=np.int32)
+        fresh_mask = np.zeros(len(seqs), dtype=bool)
+        fresh_mask[fresh] = True
+        order[~fresh_mask] = np.arange(len(kept_from))
+        order[fresh] = len(kept_from) + np.arange(len(fresh))
+        both = mx.concatenate([previous[mx.array(kept_from)], built])
+        return both[mx.array(order)]
 
     def _settle(self, launched: Launched) -> None:
         """Write ``launched``'s next keys back to its sequences (lazily): the steps after it
