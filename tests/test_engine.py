@@ -15,8 +15,8 @@ from engine import (
     SamplingParams,
     SequenceState,
     TokenEvent,
-    step,
 )
+from engine.runner import step
 from tests.reference import (
     chat_prompt,
     collect,

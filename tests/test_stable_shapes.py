@@ -14,9 +14,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import engine.attention as attention
 import engine.runner.model_adapter as model_adapter
 from engine import Engine, EngineConfig, FinishReason, SamplingParams
+from engine.attention import dispatch as attention
 from engine.attention.plans import Launch, PlanCache, Ref, plan_key
 from engine.kv.block_table import BlockTable
 from engine.kv.blocks import BlockAllocator
