@@ -10,6 +10,7 @@ import math
 import numbers
 import re
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 from engine.memory import DEFAULT_BUDGET_MIB, check_kv_budget
 
@@ -102,6 +103,29 @@ MAX_NEW_TOKENS = 1 << 20
 #: The repetition penalty's window: mlx-lm's default, and a bound far above any useful one.
 DEFAULT_REPETITION_CONTEXT = 20
 MAX_REPETITION_CONTEXT = 1 << 16
+
+
+class Priority(IntEnum):
+    """Who goes first when the pool, the batch or a step's prompt budget is short
+    (docs/ARCHITECTURE.md §3.3). The app sets it by what the user does: the chat in the
+    focused pane and the one just sent in are INTERACTIVE, chats in other panes and API
+    requests BACKGROUND; NORMAL is the default for callers that do not say."""
+
+    BACKGROUND = 0
+    NORMAL = 1
+    INTERACTIVE = 2
+
+
+def checked_priority(priority: object) -> Priority:
+    """``priority`` as a Priority, or a ValueError naming the allowed values."""
+    if isinstance(priority, bool) or not isinstance(priority, (int, Priority)):
+        raise ValueError(f"priority must be a Priority ({', '.join(p.name for p in Priority)}),"
+                         f" got {priority!r}")
+    try:
+        return Priority(priority)
+    except ValueError:
+        raise ValueError(f"priority must be a Priority ({', '.join(p.name for p in Priority)}),"
+                         f" got {priority!r}") from None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from collections.abc import Sequence as Seq
 
 import mlx.core as mx
 
-from engine.config import EngineConfig, SamplingParams, check_top_k
+from engine.config import EngineConfig, Priority, SamplingParams, check_top_k, checked_priority
 from engine.errors import ModelLoadError
 from engine.events import EngineStatus, FinishReason, ModelInfo, PoolSnapshot
 from engine.handle import RequestHandle
@@ -125,15 +125,19 @@ class Engine:
         params: SamplingParams | None = None,
         session_id: str = "default",
         request_id: str | None = None,
+        priority: Priority = Priority.NORMAL,
     ) -> RequestHandle:
         """Queue a request; never blocks. Give either chat ``messages`` (the model's chat
-        template is applied) or raw ``prompt_tokens``.
+        template is applied) or raw ``prompt_tokens``. ``priority`` says who goes first when
+        the batch, the pool or a step's prompt budget is short (``set_priority`` changes it
+        while the request runs).
 
         Bad input raises ValueError here, in the caller's thread, naming what is wrong; a
         request id that a live request holds is refused. Before start() this raises
         RuntimeError; after stop() the handle ends at once with an error final."""
         messages, prompt_tokens = checked_prompt(messages, prompt_tokens)
         params = checked_params(params)
+        priority = checked_priority(priority)
         check_ids(session_id, request_id)
         runtime = self.runtime
         if runtime is not None:
@@ -150,7 +154,7 @@ class Engine:
                                        on_done=self._release_id)
                 self._live[request_id] = handle
                 self._inbox.put(inbox.Submit(request_id, session_id, messages, prompt_tokens,
-                                        params, handle))
+                                             params, handle, priority))
                 return handle
         handle = RequestHandle(request_id, session_id, params.n, self._request_cancel)
         refuse(handle, params.n, FinishReason.ERROR,
@@ -162,6 +166,12 @@ class Engine:
         with self._lock:
             if self._live.get(handle.request_id) is handle:
                 del self._live[handle.request_id]
+
+    def set_priority(self, session_id: str, priority: Priority) -> None:
+        """Give every live request of a chat a new priority (the user focused its pane, or
+        left it); never blocks. Requests submitted later carry their own."""
+        check_ids(session_id, None)
+        self._inbox.put(inbox.SetPriority(session_id, checked_priority(priority)))
 
     def cancel_session(self, session_id: str) -> None:
         """Cancel every request of a chat (for a deleted chat) and forget its stats."""
@@ -279,3 +289,5 @@ class Engine:
                              rt.output, self.telemetry)
             elif isinstance(item, inbox.Cancel):
                 inbox.cancel(item, rt.output, self.telemetry)
+            elif isinstance(item, inbox.SetPriority):
+                inbox.set_priority(item, rt.scheduler, self.telemetry)

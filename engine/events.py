@@ -95,6 +95,10 @@ class SessionStats:
     #: computed so far (prefix-cache hits included) and the tokens to compute in all.
     prompt_tokens_done: int = 0
     prompt_tokens_total: int = 0
+    #: The highest priority of the chat's live requests (engine.Priority's value), and why
+    #: its waiting request waits ("" when nothing of it waits): the monitor shows both.
+    priority: int = 1
+    waiting_reason: str = ""
 
 
 @dataclass(frozen=True)

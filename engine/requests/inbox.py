@@ -13,7 +13,7 @@ import logging
 import queue
 from dataclasses import dataclass
 
-from engine.config import SamplingParams
+from engine.config import Priority, SamplingParams
 from engine.events import FinishReason
 from engine.handle import RequestHandle
 from engine.requests.admission import admit
@@ -32,6 +32,13 @@ class Submit:
     prompt_tokens: list[int] | None
     params: SamplingParams
     handle: RequestHandle
+    priority: Priority = Priority.NORMAL
+
+
+@dataclass(frozen=True)
+class SetPriority:
+    session_id: str
+    priority: Priority
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ def accept(item: Submit, tokenizer, max_context: int, scheduler: Scheduler, outp
         if refusal is not None:
             refuse(item.handle, item.handle.n, FinishReason.ERROR, refusal, request)
             return
+        request.priority = item.priority
         scheduler.add(request.sequences[0])  # samples 1.. fork after the prompt
     except Exception as e:
         logger.exception("request %s could not be accepted", item.request_id)
@@ -77,6 +85,12 @@ def accept(item: Submit, tokenizer, max_context: int, scheduler: Scheduler, outp
         return
     output.requests[request.request_id] = request
     telemetry.add_session(item.session_id)
+
+
+def set_priority(item: SetPriority, scheduler: Scheduler, telemetry: Telemetry) -> None:
+    """A session's live requests take a new priority (the user focused or left its pane)."""
+    scheduler.set_priority(item.session_id, item.priority)
+    telemetry.set_priority(item.session_id, item.priority)
 
 
 def cancel(item: Cancel, output: Output, telemetry: Telemetry) -> None:

@@ -91,6 +91,13 @@ class FallbackScheduler:
             if self.generator is not None:
                 self.generator.remove([uid])
 
+    def set_priority(self, session_id: str, priority) -> None:
+        """Recorded on the requests (the snapshot shows it); mlx-lm's generator serves its
+        rows in arrival order, so the fallback does not reorder by it."""
+        for seq in [*self.waiting, *self.by_uid.values()]:
+            if seq.session_id == session_id:
+                seq.request.priority = priority
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.by_uid)

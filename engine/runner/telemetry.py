@@ -137,8 +137,9 @@ class Telemetry:
         self.rates = TokenRates()
         #: Set by a reader (any thread), cleared by the engine thread when it builds one.
         self.wanted = False
-        # Chats shown even while they run nothing, least recently active first.
-        self._sessions: OrderedDict[str, None] = OrderedDict()
+        # Chats shown even while they run nothing, least recently active first, with the
+        # priority last set for them (engine.Priority's value; NORMAL until set).
+        self._sessions: OrderedDict[str, int] = OrderedDict()
         self._last_snapshot = float("-inf")
 
     # ---- reading (any thread) -------------------------------------------------------------
@@ -159,10 +160,15 @@ class Telemetry:
 
     def _touch(self, session_id: str) -> None:
         """``session_id`` is active now; the least recently active beyond the bound go."""
-        self._sessions[session_id] = None
+        self._sessions[session_id] = self._sessions.get(session_id, 1)
         self._sessions.move_to_end(session_id)
         while len(self._sessions) > RECENT_SESSIONS:
             self._sessions.popitem(last=False)
+
+    def set_priority(self, session_id: str, priority: int) -> None:
+        """The priority the app last set for a chat, shown while it runs nothing."""
+        self._touch(session_id)
+        self._sessions[session_id] = int(priority)
 
     def forget_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
@@ -261,6 +267,9 @@ class Telemetry:
                 if seq.state in _PROMPT_STATES and (seq.index == 0 or request.forked):
                     stats["prompt_done"] += seq.table.num_computed if seq.table else 0
                     stats["prompt_total"] += len(seq.tokens)
+                if seq.waiting_reason and not stats["waiting_reason"] and not seq.finished:
+                    stats["waiting_reason"] = seq.waiting_reason
+            stats["priority"] = max(stats["priority"], int(request.priority))
         result = {}
         rates = self.rates
         for sid, s in sessions.items():
@@ -276,13 +285,15 @@ class Telemetry:
                 requests=s["requests"],
                 prompt_tokens_done=s["prompt_done"],
                 prompt_tokens_total=s["prompt_total"],
+                priority=s["priority"] if s["requests"] else self._sessions.get(sid, 1),
+                waiting_reason=s["waiting_reason"],
             )
         return result
 
 
 def _new_session() -> dict:
     return {"states": set(), "tokens": 0, "requests": 0, "prompt_done": 0,
-            "prompt_total": 0}
+            "prompt_total": 0, "priority": 0, "waiting_reason": ""}
 
 
 def _session_state(states: set[SequenceState]) -> SequenceState:

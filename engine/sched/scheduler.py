@@ -10,6 +10,13 @@ Each step, in this order:
 3. sequences in the middle of a long prompt get the next **chunk** of it, within what is
    left of the budget, so a new chat never stalls the others for long.
 
+Priorities (docs/ARCHITECTURE.md §3.3): waiting prompts are admitted and running prompts
+continue highest priority first; background work, and a long paste whoever sent it, takes
+only a guaranteed share of a step's prompt budget while a chat of higher priority is
+running, so the chats in front of the user keep streaming and the long prompt still
+finishes; preemption takes the lowest priority first, then the latest admitted. Every
+sequence left waiting carries the reason, for the monitor.
+
 It is the only user of the allocator besides the snapshot's read-only view: it also forks
 the samples of an n > 1 request when their shared prompt is done (:meth:`fork_samples`).
 
@@ -21,11 +28,26 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.config import Priority
 from engine.events import SequenceState
 from engine.kv.block_table import PENDING, BlockTable
 from engine.kv.blocks import BlockAllocator
 from engine.sched.sequence import Sequence
 from engine.sched.work import SequenceWork
+
+#: A prompt with more tokens than this still to read is a long paste: while other chats run,
+#: it advances as background work, whatever its chat's priority.
+LONG_PROMPT_TOKENS = 1024
+#: The share of a step's prompt budget that background work (and a long paste) takes while a
+#: chat of higher priority runs: small enough to keep that chat streaming, never zero.
+BACKGROUND_SHARE = 0.25
+
+WAIT_BATCH = "waiting: the batch is full"
+WAIT_POOL = "waiting: the KV pool is full"
+WAIT_PREFIX = "waiting: its prompt's first blocks are being computed for another chat"
+WAIT_BUDGET = "waiting: this step's prompt budget went to chats of higher priority"
+WAIT_YIELD = "reading its prompt slowly: chats of higher priority are running"
+WAIT_PREEMPTED = "preempted: the pool was full; it will be recomputed"
 
 
 @dataclass
@@ -100,11 +122,12 @@ class Scheduler:
     def schedule(self, prompt_budget: int | None = None) -> StepPlan:
         """Plan one step; ``prompt_budget`` caps its prompt tokens (default: prefill_chunk).
 
-        Waiting prompts are admitted before running prompts continue (shortest first, with
-        at most half the budget while some prompt is mid-way, so that one still advances
-        every step), and running prompts continue shortest-remaining first: a short chat
-        arriving during a long paste gets its first token after a few steps, not after the
-        whole paste.
+        Waiting prompts are admitted before running prompts continue (highest priority, then
+        shortest first, with at most half the budget while some prompt is mid-way, so that
+        one still advances every step), and running prompts continue highest priority, then
+        shortest-remaining first: a short chat arriving during a long paste gets its first
+        token after a few steps, not after the whole paste. Background work and long pastes
+        take at most ``BACKGROUND_SHARE`` of the budget while a chat of higher priority runs.
         """
         self.steps += 1
         plan = StepPlan()
@@ -120,37 +143,77 @@ class Scheduler:
                 self._reserve(seq, 1, plan)
                 scheduled.add(seq.seq_id)
 
+        share = max(1, int(budget * BACKGROUND_SHARE))
+        urgent = self._most_urgent()
         mid_prompt = any(s.num_to_feed >= 2 for s in self.running)
         admit_budget = max(1, budget // 2) if mid_prompt else budget
-        budget -= self._admit(plan, min(budget, admit_budget), scheduled)
+        budget -= self._admit(plan, min(budget, admit_budget), scheduled, urgent, share)
 
-        for seq in sorted(self.running, key=lambda s: s.num_to_feed):
-            if budget <= 0:
-                break
+        for seq in sorted(self.running, key=lambda s: (-self._rank(s), s.num_to_feed)):
             if seq not in self.running or seq.seq_id in scheduled or seq.num_to_feed < 2:
                 continue
-            n = min(budget, seq.num_to_feed)
+            if budget <= 0:
+                seq.waiting_reason = WAIT_BUDGET
+                continue
+            cap = share if self._yields(seq, urgent) else budget
+            n = min(budget, cap, seq.num_to_feed)
             n = min(n, self._tokens_that_fit(seq.table))
             if n < 1:
                 if not self._make_room(seq, 1, plan):
                     continue
-                n = min(budget, seq.num_to_feed, self._tokens_that_fit(seq.table))
+                n = min(budget, cap, seq.num_to_feed, self._tokens_that_fit(seq.table))
+            seq.waiting_reason = WAIT_YIELD if n == cap == share < seq.num_to_feed else ""
             self._reserve(seq, n, plan)
             scheduled.add(seq.seq_id)
             budget -= n
         return plan
 
-    def _admit(self, plan: StepPlan, budget: int, scheduled: set[int]) -> int:
+    def set_priority(self, session_id: str, priority: Priority) -> None:
+        """Every live request of ``session_id`` (running or waiting) takes ``priority``."""
+        for seq in [*self.running, *self.waiting]:
+            if seq.session_id == session_id:
+                seq.request.priority = priority
+
+    def _rank(self, seq: Sequence) -> Priority:
+        """The priority a sequence's prompt is scheduled with: a long paste counts as
+        background work, whoever sent it."""
+        if seq.num_to_feed > LONG_PROMPT_TOKENS:
+            return Priority.BACKGROUND
+        return seq.priority
+
+    def _most_urgent(self) -> Priority | None:
+        """The highest rank among the chats that will want this step (decoding, or with a
+        prompt to read), or None when there are none."""
+        ranks = [self._rank(s) for s in self.running]
+        ranks += [self._rank(s) for s in self.waiting]
+        return max(ranks, default=None)
+
+    def _yields(self, seq: Sequence, urgent: Priority | None) -> bool:
+        """``seq``'s prompt takes only the background share of the budget: a chat of a
+        higher rank wants this step (the most urgent rank is another chat's when it is
+        above ``seq``'s own)."""
+        return urgent is not None and self._rank(seq) < urgent
+
+    def _admit(self, plan: StepPlan, budget: int, scheduled: set[int],
+               urgent: Priority | None = None, share: int | None = None) -> int:
         """Admit waiting sequences (reusing the prefix cache) within ``budget`` prompt
         tokens, the batch limit and the free blocks; returns the tokens it reserved."""
         used = 0
-        # Preempted sequences first (they were running), then the shortest prompts: a batch
-        # of short chats arriving with a long paste all start before it.
-        order = sorted(self.waiting, key=lambda s: (s.state is not SequenceState.PREEMPTED,
+        # Highest priority first, preempted sequences (they were running) before new ones,
+        # then the shortest prompts: a batch of short chats arriving with a long paste all
+        # start before it.
+        order = sorted(self.waiting, key=lambda s: (-self._rank(s),
+                                                    s.state is not SequenceState.PREEMPTED,
                                                     s.length))
+        blocked = ""  # once set, nothing later in the order is admitted this step
         for seq in order:
-            if used >= budget or len(self.running) >= self.max_batch:
-                break
+            if not blocked and used >= budget:
+                blocked = WAIT_BUDGET
+            if not blocked and len(self.running) >= self.max_batch:
+                blocked = WAIT_BATCH
+            if blocked:
+                self._wait(seq, blocked)
+                continue
             if seq.length > self.capacity_tokens - 1:
                 self.waiting.remove(seq)
                 plan.failed.append((seq, self._too_long_message(seq.length)))
@@ -159,11 +222,17 @@ class Scheduler:
             cached = self.alloc.reuse_prefix(table, seq.tokens, count=False)
             if self.alloc.prefix_pending(table, seq.tokens):
                 self.alloc.free(table)  # its next blocks are being computed: share them next step
+                self._wait(seq, WAIT_PREFIX)
                 continue
-            n = min(budget - used, seq.length - cached, self._tokens_that_fit(table))
+            cap = budget - used
+            if share is not None and self._yields(seq, urgent):
+                cap = min(cap, share)
+            n = min(cap, seq.length - cached, self._tokens_that_fit(table))
             if n < 1:
                 self.alloc.free(table)
-                break
+                blocked = WAIT_POOL
+                self._wait(seq, blocked)
+                continue
             self.alloc.record_prefix_lookup(table, seq.tokens)
             self.waiting.remove(seq)
             seq.table = table
@@ -171,11 +240,17 @@ class Scheduler:
             if seq.state is SequenceState.WAITING and seq.num_generated == 0:
                 seq.request.cached_prompt_tokens = max(seq.request.cached_prompt_tokens, cached)
             seq.state = SequenceState.PREFILLING
+            seq.waiting_reason = WAIT_YIELD if n == cap == share < seq.length - cached else ""
             self.running.append(seq)
             self._reserve(seq, n, plan)
             scheduled.add(seq.seq_id)
             used += n
         return used
+
+    @staticmethod
+    def _wait(seq: Sequence, reason: str) -> None:
+        """Why ``seq`` waits, for the monitor; a preempted one says so until it runs again."""
+        seq.waiting_reason = WAIT_PREEMPTED if seq.state is SequenceState.PREEMPTED else reason
 
     def resolve(self, seq: Sequence, token: int) -> None:
         """``seq``'s oldest token in flight has been read: fill its PENDING slot, if it has
@@ -220,7 +295,8 @@ class Scheduler:
         """Preempt the latest-admitted sequences until ``seq`` can take ``n`` more tokens.
         False if ``seq`` itself was preempted or failed."""
         while self.alloc.blocks_needed(seq.table, n) > self.alloc.num_available:
-            victim = max(self.running, key=lambda s: (s.admitted_at, s.seq_id))
+            # The lowest priority first, then the latest admitted.
+            victim = max(self.running, key=lambda s: (-s.priority, s.admitted_at, s.seq_id))
             if victim is seq and len(self.running) == 1:
                 self.running.remove(seq)
                 plan.failed.append((seq, self._too_long_message(len(seq.tokens) + n)))
@@ -237,6 +313,7 @@ class Scheduler:
         self.alloc.free(seq.table)
         seq.table = None
         seq.state = SequenceState.PREEMPTED
+        seq.waiting_reason = WAIT_PREEMPTED
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from engine.config import SamplingParams
+from engine.config import Priority, SamplingParams
 from engine.events import FinishReason, SequenceState
 from engine.kv.block_table import PENDING, BlockTable
 
@@ -37,6 +37,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     cached_prompt_tokens: int = 0
     forked: bool = False
+    priority: Priority = Priority.NORMAL
 
     @property
     def finished(self) -> bool:
@@ -71,9 +72,16 @@ class Sequence:
     #: sequence must still count t+1's token when the next step is scheduled.
     inflight: int = 0
 
+    #: Why the scheduler left it waiting in its last step ("" when it ran): for the monitor.
+    waiting_reason: str = ""
+
     @property
     def session_id(self) -> str:
         return self.request.session_id
+
+    @property
+    def priority(self) -> Priority:
+        return self.request.priority
 
     @property
     def num_generated(self) -> int:

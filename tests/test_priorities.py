@@ -1,0 +1,197 @@
+"""Priorities: the chat in front of the user goes first, background work and long pastes yield
+(docs/ARCHITECTURE.md §3.3). Scheduler decisions on a real allocator, then the engine's public
+API (submit's priority, set_priority, the snapshot's priority and waiting reason)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineConfig, Priority, SamplingParams, SequenceState
+from engine.events import FinishReason
+from engine.kv.blocks import BlockAllocator
+from engine.kv.invariants import check_invariants
+from engine.sched.scheduler import (
+    BACKGROUND_SHARE,
+    LONG_PROMPT_TOKENS,
+    WAIT_BATCH,
+    WAIT_PREEMPTED,
+    WAIT_YIELD,
+    Scheduler,
+)
+from tests.reference import reference_model, wait_until
+from tests.test_scheduler import make_seq, run
+from tests.tiny_model import budget_mib, make_tiny_model
+
+
+def with_priority(seq, priority: Priority):
+    seq.request.priority = priority
+    return seq
+
+
+def decoding(sched: Scheduler, session: str, priority: Priority, length: int = 3):
+    seq = with_priority(make_seq(list(range(1, length + 1)), session), priority)
+    sched.add(seq)
+    run(sched, sched.schedule())
+    assert seq.state is SequenceState.DECODING
+    return seq
+
+
+def test_waiting_prompts_are_admitted_highest_priority_first() -> None:
+    sched = Scheduler(BlockAllocator(64, 4), max_batch=2, prefill_chunk=64)
+    decoding(sched, "running", Priority.NORMAL)
+    background = with_priority(make_seq([5] * 4, "background"), Priority.BACKGROUND)
+    normal = with_priority(make_seq([6] * 6, "normal"), Priority.NORMAL)
+    interactive = with_priority(make_seq([7] * 20, "interactive"), Priority.INTERACTIVE)
+    for seq in (background, normal, interactive):  # arrival order: the background one first
+        sched.add(seq)
+    plan = sched.schedule()  # room for one more in the batch
+    admitted = {w.seq.session_id for w in plan.works} - {"running"}
+    assert admitted == {"interactive"}  # not the shortest, not the first to arrive
+    assert background.waiting_reason == WAIT_BATCH and normal.waiting_reason == WAIT_BATCH
+    assert interactive.waiting_reason == ""
+
+
+def test_a_long_paste_takes_only_a_share_while_others_decode_and_all_of_it_alone() -> None:
+    budget = 256
+    paste_tokens = LONG_PROMPT_TOKENS + 500
+    alone = Scheduler(BlockAllocator(1024, 16), max_batch=8, prefill_chunk=budget)
+    paste = with_priority(make_seq(list(range(paste_tokens)), "paste"), Priority.INTERACTIVE)
+    alone.add(paste)
+    plan = alone.schedule()
+    assert [len(w.tokens) for w in plan.works] == [budget]  # nobody else: full speed
+
+    sched = Scheduler(BlockAllocator(1024, 16), max_batch=8, prefill_chunk=budget)
+    chat = decoding(sched, "chat", Priority.NORMAL)
+    paste = with_priority(make_seq(list(range(paste_tokens)), "paste"), Priority.INTERACTIVE)
+    sched.add(paste)
+    share = int(budget * BACKGROUND_SHARE)
+    chunks = []
+    while paste.state is not SequenceState.DECODING:
+        plan = sched.schedule()
+        works = {w.seq.session_id: w for w in plan.works}
+        assert len(works["chat"].tokens) == 1  # the chat decodes in every step
+        chunks.append(len(works["paste"].tokens))
+        if paste.num_to_feed - chunks[-1] > LONG_PROMPT_TOKENS:
+            assert paste.waiting_reason == WAIT_YIELD
+        run(sched, plan)
+    # a share per step while it is long, the whole budget once what is left is short
+    long_steps = [c for c in chunks if c == share]
+    assert long_steps and all(c <= budget for c in chunks) and max(chunks) == budget
+    assert sum(chunks) == paste_tokens  # it finished: the share is guaranteed
+    assert chat.state is SequenceState.DECODING
+    check_invariants(sched.alloc, [s.table for s in sched.running])
+
+
+def test_background_prompts_yield_to_an_interactive_chat_but_not_to_each_other() -> None:
+    budget = 64
+    sched = Scheduler(BlockAllocator(256, 16), max_batch=8, prefill_chunk=budget)
+    decoding(sched, "focused", Priority.INTERACTIVE)
+    api = with_priority(make_seq(list(range(300)), "api"), Priority.BACKGROUND)
+    sched.add(api)
+    plan = sched.schedule()
+    assert {w.seq.session_id: len(w.tokens) for w in plan.works}["api"] == int(
+        budget * BACKGROUND_SHARE)
+
+    peers = Scheduler(BlockAllocator(256, 16), max_batch=8, prefill_chunk=budget)
+    decoding(peers, "other-api", Priority.BACKGROUND)
+    api = with_priority(make_seq(list(range(300)), "api"), Priority.BACKGROUND)
+    peers.add(api)
+    plan = peers.schedule()  # among background work nobody yields: the whole budget
+    assert {w.seq.session_id: len(w.tokens) for w in plan.works}["api"] == budget
+
+
+def test_a_full_pool_preempts_background_work_before_the_focused_chat() -> None:
+    sched = Scheduler(BlockAllocator(4, 4), max_batch=8, prefill_chunk=64)
+    background = with_priority(make_seq([1, 2, 3, 4, 5, 6, 7], "background"),
+                               Priority.BACKGROUND)
+    focused = with_priority(make_seq([9, 8, 7, 6, 5, 4, 3], "focused"), Priority.INTERACTIVE)
+    sched.add(background)
+    run(sched, sched.schedule())  # the background chat is admitted first
+    sched.add(focused)
+    preempted = []
+    for _ in range(6):  # the four blocks fill up; someone needs a fifth
+        plan = sched.schedule()
+        preempted += [s.session_id for s in plan.preempted]
+        run(sched, plan)
+        if preempted:
+            break
+    # Without priorities the latest admitted (the focused chat) would go.
+    assert preempted == ["background"]
+    assert background.waiting_reason == WAIT_PREEMPTED
+    assert focused.state is SequenceState.DECODING
+    check_invariants(sched.alloc, [s.table for s in sched.running])
+
+
+def test_set_priority_reaches_running_and_waiting_requests_of_that_chat_only() -> None:
+    sched = Scheduler(BlockAllocator(64, 4), max_batch=1, prefill_chunk=64)
+    running = decoding(sched, "a", Priority.NORMAL)
+    waiting = make_seq([4, 5], "a")
+    other = make_seq([6, 7], "b")
+    sched.add(waiting)
+    sched.add(other)
+    sched.set_priority("a", Priority.INTERACTIVE)
+    assert running.priority is waiting.priority is Priority.INTERACTIVE
+    assert other.priority is Priority.NORMAL
+
+
+# ---- the public API --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama",
+                           reference_model().path)
+
+
+@pytest.mark.parametrize("bad", ["high", 7, -1, 1.5, True, None])
+def test_a_bad_priority_is_refused_at_the_door_naming_the_values(tiny, bad) -> None:
+    eng = Engine(EngineConfig(model=str(tiny), kv_memory_mib=budget_mib(32, 8), block_size=8,
+                              prefill_chunk=16))
+    eng.start()
+    try:
+        assert eng.wait_ready(120), eng.load_error
+        with pytest.raises(ValueError, match="INTERACTIVE"):
+            eng.submit(prompt_tokens=[1, 2, 3], priority=bad)
+        with pytest.raises(ValueError, match="INTERACTIVE"):
+            eng.set_priority("chat", bad)
+    finally:
+        eng.stop()
+
+
+def test_the_focused_chat_is_served_before_earlier_background_work(tiny) -> None:
+    """One batch slot: the chat the user raises to INTERACTIVE while both wait runs first;
+    the snapshot shows each chat's priority and why the other waits."""
+    eng = Engine(EngineConfig(model=str(tiny), kv_memory_mib=budget_mib(64, 8), block_size=8,
+                              prefill_chunk=16, max_batch=1))
+    eng.start()
+    try:
+        assert eng.wait_ready(120), eng.load_error
+        forever = SamplingParams(temperature=0.0, max_tokens=100000)
+        first = eng.submit(prompt_tokens=[3, 4, 5], params=forever, session_id="first")
+        wait_until(lambda: first.token_events >= 1)
+        background = eng.submit(prompt_tokens=[6, 7, 8], params=forever, session_id="api",
+                                priority=Priority.BACKGROUND)
+        later = eng.submit(prompt_tokens=[9, 10, 11], params=forever, session_id="pane",
+                           priority=Priority.BACKGROUND)
+        eng.set_priority("pane", Priority.INTERACTIVE)  # the user focuses that pane
+        first.cancel()
+        wait_until(lambda: later.token_events >= 1)
+        assert background.token_events == 0  # it arrived first, but it is background work
+
+        def shown() -> bool:
+            snap = eng.snapshot()
+            api, pane = snap.sessions.get("api"), snap.sessions.get("pane")
+            return (api is not None and pane is not None
+                    and api.state is SequenceState.WAITING and api.waiting_reason == WAIT_BATCH
+                    and api.priority == Priority.BACKGROUND
+                    and pane.priority == Priority.INTERACTIVE and pane.waiting_reason == "")
+
+        wait_until(shown)
+        later.cancel()
+        background.cancel()
+        assert all(f.finish_reason is FinishReason.CANCELLED
+                   for h in (first, later, background) for f in h.result(60))
+    finally:
+        eng.stop()
