@@ -320,7 +320,9 @@ def test_a_small_pool_shows_preemption_in_the_legend(qtbot, qasync_loop):
         for i, q in enumerate(questions):
             bridge.submit([{"role": "user", "content": q}],
                           SamplingParams(temperature=0.0, max_tokens=40), f"tiny-{i}")
-        qtbot.waitUntil(lambda: "preempted" in states, timeout=WAIT_MS)
+        # the state cell names the priority too ("preempted · interactive")
+        qtbot.waitUntil(lambda: any(s.split(" · ")[0] == "preempted" for s in states),
+                        timeout=WAIT_MS)
         qtbot.waitUntil(lambda: not bridge.active_requests(), timeout=WAIT_MS)
         qtbot.waitUntil(lambda: panel.block_map.snapshot is small.snapshot(), timeout=WAIT_MS)
         assert int(panel.counters.value("preemptions")) > 0

@@ -195,3 +195,54 @@ def test_the_focused_chat_is_served_before_earlier_background_work(tiny) -> None
                    for h in (first, later, background) for f in h.result(60))
     finally:
         eng.stop()
+
+
+# ---- the app: the user's focus sets the priorities, the monitor shows them ---------------------
+
+
+@pytest.mark.model
+def test_clicking_a_pane_puts_its_chat_first_and_the_monitor_says_so(qtbot, qasync_loop, app_env,
+                                                                      app_engine):
+    """Two panes streaming: the pane the user clicks into is interactive and the other one
+    background, in the engine's own snapshot and in the monitor's chat table."""
+    from PySide6.QtCore import Qt
+
+    from app.monitor.legend import STATE
+    from tests.app_helpers import greedy, open_window, wait_idle
+
+    harness = open_window(qtbot, app_env, app_engine)
+    try:
+        w = harness.window
+        qtbot.keyClick(w, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier
+                       | Qt.KeyboardModifier.ShiftModifier)  # a second pane
+        first, second = w.panes
+        for pane in (first, second):
+            pane.session.set_settings(greedy(400))
+            pane.input.setFocus()
+            pane.input.setPlainText("Write a long story about a lighthouse keeper.")
+            qtbot.keyClick(pane.input, Qt.Key.Key_Return)
+        qtbot.mouseClick(first.input, Qt.MouseButton.LeftButton)  # the user clicks pane one
+        qtbot.waitUntil(lambda: w.focused_pane is first)
+        ids = {first.session.id: "interactive", second.session.id: "background"}
+        panel = w.monitor_dock.widget()
+
+        def shown() -> bool:
+            snap = harness.bridge.latest_snapshot
+            if snap is None:
+                return False
+            for sid, label in ids.items():
+                stats = snap.sessions.get(sid)
+                want = Priority.INTERACTIVE if label == "interactive" else Priority.BACKGROUND
+                row = panel.legend_model.row_of(sid)
+                if stats is None or stats.priority != want or row is None or row < 0:
+                    return False
+                if not panel.legend_model.index(row, STATE).data().endswith(f"· {label}"):
+                    return False
+            return True
+
+        qtbot.waitUntil(shown, timeout=60_000)
+        for pane in (first, second):
+            pane.stop()
+        wait_idle(qtbot, first, second)
+    finally:
+        harness.close()

@@ -27,6 +27,7 @@ from engine import (
     EngineStatus,
     FinalEvent,
     FinishReason,
+    Priority,
     SamplingParams,
     TokenEvent,
 )
@@ -64,6 +65,10 @@ class EngineBridge(QObject):
         )
         self._handles: dict[str, Any] = {}  # request_id -> RequestHandle
         self._sessions: dict[str, str] = {}  # request_id -> session_id
+        # The chat in front of the user (docs/ARCHITECTURE.md §3.3): it goes first, the others
+        # yield; the priority last given to each chat with a live request.
+        self._focused: str | None = None
+        self._priority: dict[str, Priority] = {}
         self._tasks: set[asyncio.Task] = set()
         self._latest_snapshot: Any = None
         self._timer = QTimer(self)
@@ -207,7 +212,10 @@ class EngineBridge(QObject):
         if engine is None or self._status in (EngineStatus.ERROR, EngineStatus.STOPPED, IDLE):
             reason = self._load_error or "the engine is not running"
             raise RuntimeError(f"No model is loaded: {reason}")
-        handle = engine.submit(messages=messages, params=params, session_id=session_id)
+        # The chat the user just sent in goes first, focused or not (send to all).
+        handle = engine.submit(messages=messages, params=params, session_id=session_id,
+                               priority=Priority.INTERACTIVE)
+        self._priority[session_id] = Priority.INTERACTIVE
         self._handles[handle.request_id] = handle
         self._sessions[handle.request_id] = session_id
         self._spawn(self._pump(handle, session_id, params.n))
@@ -235,6 +243,28 @@ class EngineBridge(QObject):
         finally:
             self._handles.pop(rid, None)
             self._sessions.pop(rid, None)
+
+    def set_focus(self, session_id: str | None) -> None:
+        """The user put ``session_id`` in front (focused its pane; None: no chat): it goes
+        first, and every other chat with a live request yields to it. Tells the engine only
+        what changed."""
+        self._focused = session_id
+        live = set(self._sessions.values())
+        for sid in live | {session_id} - {None}:
+            want = Priority.INTERACTIVE if sid == session_id else Priority.BACKGROUND
+            if self._priority.get(sid) == want:
+                continue
+            self._priority[sid] = want
+            engine = self._engine
+            if engine is not None and self._status == EngineStatus.READY:
+                with contextlib.suppress(Exception):  # a stopping engine: nothing to reorder
+                    engine.set_priority(sid, want)
+        for sid in set(self._priority) - live - {session_id}:
+            del self._priority[sid]  # bounded: only chats with live requests, and the focus
+
+    def priority(self, session_id: str) -> Priority | None:
+        """The priority this app last gave ``session_id`` (None: never, or gone)."""
+        return self._priority.get(session_id)
 
     def cancel(self, request_id: str) -> None:
         """Cancel one request (its blocks are freed at once; samples end CANCELLED)."""

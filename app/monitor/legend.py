@@ -56,6 +56,11 @@ STATE_TIPS = {
 }
 
 
+def _live(row: Row) -> bool:
+    """The chat has a request in the engine (its priority means something now)."""
+    return row.state in ("waiting", "prefilling", "decoding", "preempted")
+
+
 @dataclass(frozen=True)
 class Column:
     title: str
@@ -75,6 +80,16 @@ COLUMNS = (
 CHAT, STATE, BLOCKS, SHARED, TOKENS, WASTE, RATE = range(len(COLUMNS))
 
 
+#: How the table names the engine's priorities (engine.Priority's values; NORMAL unnamed).
+PRIORITY_LABELS = {2: "interactive", 0: "background"}
+PRIORITY_TIPS = {
+    2: "Interactive: the chat in front of you (focused, or just sent) goes first",
+    1: "Normal priority",
+    0: "Background: it yields to the chat in front of you (another pane, an API request "
+       "or a long paste)",
+}
+
+
 @dataclass(frozen=True)
 class Row:
     session_id: str
@@ -85,6 +100,8 @@ class Row:
     tokens: int
     waste: int
     rate: float
+    priority: int = 1  # engine.Priority's value
+    reason: str = ""  # why it waits, in the engine's words ("" when it runs)
 
 
 _DISPLAY = int(Qt.ItemDataRole.DisplayRole)
@@ -158,6 +175,8 @@ class LegendModel(QAbstractTableModel):
                 tokens=int(stats.tokens_in_context),
                 waste=int(stats.wasted_slots),
                 rate=float(stats.tokens_per_s),
+                priority=int(getattr(stats, "priority", 1)),  # remote chats have none
+                reason=str(getattr(stats, "waiting_reason", "") or ""),
             )
             i = known.get(sid)
             if i is None:
@@ -267,7 +286,12 @@ class LegendModel(QAbstractTableModel):
             return icon
         if role == _TOOLTIP:
             if col == STATE:
-                return STATE_TIPS.get(row.state, row.state)
+                tip = STATE_TIPS.get(row.state, row.state)
+                if row.reason:
+                    tip += f"\n{row.reason[0].upper()}{row.reason[1:]}"
+                if _live(row):
+                    tip += f"\n{PRIORITY_TIPS.get(row.priority, '')}"
+                return tip
             if col == CHAT:
                 return f"{row.name} ({STATE_LABELS.get(row.state, row.state)})\n" \
                     f"session {row.session_id}\n{STATE_TIPS.get(row.state, '')}"
@@ -281,7 +305,9 @@ class LegendModel(QAbstractTableModel):
         if col == CHAT:
             return row.name
         if col == STATE:
-            return STATE_LABELS.get(row.state, row.state)
+            label = STATE_LABELS.get(row.state, row.state)
+            priority = PRIORITY_LABELS.get(row.priority) if _live(row) else None
+            return f"{label} · {priority}" if priority else label
         if col == BLOCKS:
             return f"{row.blocks:,}"
         if col == SHARED:

@@ -28,7 +28,7 @@ from app.server.errors import APIError
 from app.server.keys import bearer_matches
 from app.server.params import ParsedRequest, parse_chat, parse_completion, with_max_tokens
 from app.server.streaming import Reply, sse_events
-from engine import Engine, FinalEvent, FinishReason, RequestHandle
+from engine import Engine, FinalEvent, FinishReason, Priority, RequestHandle
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_MAX_CONCURRENT = 16
@@ -263,8 +263,9 @@ async def _submit_and_answer(state: _State, request: Request, engine: Engine,
                        f"limit is {limit}: shorten it", param=param,
                        code="context_length_exceeded")
     params = with_max_tokens(parsed, len(tokens), limit)
+    # API requests are background work: the chats in front of the user go first.
     handle = engine.submit(prompt_tokens=tokens, params=params,
-                           session_id=session_for(parsed.user))
+                           session_id=session_for(parsed.user), priority=Priority.BACKGROUND)
     state.handles.add(handle)
     reply = Reply(chat=chat, model=model_id(engine.model_info.name), n=params.n,
                   include_usage=parsed.include_usage)

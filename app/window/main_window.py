@@ -200,6 +200,8 @@ class MainWindow(QMainWindow):
             self.deck.close(self.focused_pane)
 
     def _pane_focused(self, pane: ChatPane) -> None:
+        # The chat in front of the user goes first; the other panes' chats yield (§3.3).
+        self.bridge.set_focus(pane.session.id if pane.session is not None else None)
         if pane.session is not None:
             self.sidebar.select(pane.session.id)
             self.setWindowTitle(f"{pane.session.title} — {APP_NAME}")
