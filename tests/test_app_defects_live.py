@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
@@ -136,10 +138,15 @@ def test_a_long_paste_shows_how_much_of_it_was_read(harness, qtbot):
     harness.bridge.snapshotUpdated.disconnect(record)
     reading = [t for t in shown if t.startswith("Reading your message…")]
     assert reading, shown[:5]
-    counts = []
+    counts, lefts = [], []
     for t in reading:
-        done, total = t.removeprefix("Reading your message… ").removesuffix(" tokens").split(" / ")
-        counts.append((int(done.replace(",", "")), int(total.replace(",", ""))))
+        m = re.fullmatch(r"Reading your message… ([\d,]+) / ([\d,]+) tokens"
+                         r"(?:, about (\d+) (s|min) left)?", t)
+        assert m, t
+        counts.append((int(m[1].replace(",", "")), int(m[2].replace(",", ""))))
+        if m[3]:
+            lefts.append(int(m[3]) * (60 if m[4] == "min" else 1))
+    assert lefts, reading  # once the engine has read for a while, the time left shows
     assert all(total == expected_total for _, total in counts), (counts[:3], expected_total)
     assert all(0 <= d <= t for d, t in counts)
     assert [d for d, _ in counts] == sorted(d for d, _ in counts)  # it only moves forward

@@ -22,6 +22,7 @@ from app.chat.markdown import Rendered, StreamingRenderer, plain_html, render_ma
 from app.chat.session import ChatSession
 from app.chat.throttle import RenderThrottle, shared_throttle
 from app.core.attachments import from_meta
+from app.core.prefill_eta import time_left_text
 from app.core.records import Message, Status
 from app.ui.qt_util import disconnect
 from app.ui.theme import MarkdownTheme, theme_manager
@@ -83,6 +84,7 @@ class ChatMessageModel(QAbstractListModel):
         self._dirty: set[str] = set()
         self.font = QFont()
         self.prompt_progress: tuple[int, int] | None = None  # (read, total) while prefilling
+        self._time_left: str | None = None  # "about 20 s left" once measured
         self.full_renders = 0  # finished messages rendered (each once)
         self.stream_renders = 0  # throttled re-renders of streaming tails
         session.pathChanged.connect(self._sync_rows)
@@ -123,12 +125,15 @@ class ChatMessageModel(QAbstractListModel):
     def message(self, row: int) -> Message:
         return self.session.tree.get(self._ids[row])
 
-    def set_prompt_progress(self, progress: tuple[int, int] | None) -> None:
-        """How much of the prompt the engine has read (from the pool snapshot): a long paste
-        shows "Reading your message… 1,200 / 3,648 tokens" instead of a bare "Thinking…"."""
-        if progress == self.prompt_progress:
+    def set_prompt_progress(self, progress: tuple[int, int] | None,
+                            seconds_left: float | None = None) -> None:
+        """How much of the prompt the engine has read (from the pool snapshot) and, once
+        measured, how long the rest takes: a long paste shows "Reading your message… 1,200
+        / 3,648 tokens, about 20 s left" instead of a bare "Thinking…"."""
+        left = time_left_text(seconds_left) if seconds_left is not None else None
+        if (progress, left) == (self.prompt_progress, self._time_left):
             return
-        self.prompt_progress = progress
+        self.prompt_progress, self._time_left = progress, left
         for row, mid in enumerate(self._ids):
             if self.session.tree.get(mid).status == Status.PENDING:
                 self.dataChanged.emit(self.index(row), self.index(row))
@@ -137,7 +142,8 @@ class ChatMessageModel(QAbstractListModel):
         """What a reply with no text yet shows."""
         p = self.prompt_progress
         if msg.status == Status.PENDING and p is not None and p[1] > 0:
-            return f"Reading your message… {p[0]:,} / {p[1]:,} tokens"
+            text = f"Reading your message… {p[0]:,} / {p[1]:,} tokens"
+            return f"{text}, {self._time_left}" if self._time_left else text
         return "Thinking…"
 
     def message_ids(self) -> list[str]:

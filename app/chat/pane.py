@@ -32,6 +32,7 @@ from app.chat.message_view import MessageListView
 from app.chat.model_selector import ModelSelector
 from app.chat.session import ChatSession
 from app.core.model_names import model_id
+from app.core.prefill_eta import PrefillEta
 from app.core.rates import fmt_rate, shown_rate
 from app.core.records import Status
 from app.ui import colors, icons
@@ -91,6 +92,7 @@ class ChatPane(QFrame):
         self.model: ChatMessageModel | None = None
         self._editing: str | None = None  # user message id being edited
         self._number = 0
+        self._prefill_eta = PrefillEta()  # how long the prompt being read still takes
         self._build()
         self.set_session(session)
         bridge.snapshotUpdated.connect(self._on_snapshot)
@@ -579,9 +581,13 @@ class ChatPane(QFrame):
             return
         stats = snapshot.sessions.get(self.session.id) if snapshot is not None else None
         total = getattr(stats, "prompt_tokens_total", 0) if self.session.busy else 0
+        if stats is None or not total:
+            self._prefill_eta.reset()
+            self.model.set_prompt_progress(None)
+            return
+        done = stats.prompt_tokens_done
         self.model.set_prompt_progress(
-            (stats.prompt_tokens_done, total) if stats is not None and total else None
-        )
+            (done, total), self._prefill_eta.update(snapshot.time, done, total))
 
     def _update_remote_footer(self) -> None:
         s = self.footer_stats()
