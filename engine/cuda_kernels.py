@@ -25,15 +25,14 @@ from engine.kernel_plans import (
     KernelSet,
     KernelSource,
     Launch,
-    PlanCache,
     as_int32,
     checked_call,
     partitions_for,
-    plan_key,
     reduce_launch,
     shaders_root,
     workers_for,
 )
+from engine.plan_cache import PlanCache, plan_key
 
 CUDA_SHADER_PATH = shaders_root() / "shaders" / "paged_attention.cu"
 
@@ -164,7 +163,7 @@ def plan_attention(
     return [attend, reduce]
 
 
-#: Plans by shape, bounded (engine/kernel_plans.py ``PlanCache``).
+#: Plans by shape, bounded (engine/plan_cache.py).
 PLANS = PlanCache(KERNELS)
 
 

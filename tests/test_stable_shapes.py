@@ -20,9 +20,10 @@ from engine import Engine, EngineConfig, FinishReason, SamplingParams
 from engine.architecture import probe_kv_shape
 from engine.block_table import BlockTable
 from engine.blocks import BlockAllocator
-from engine.kernel_plans import Launch, PlanCache, Ref, plan_key
+from engine.kernel_plans import Launch, Ref
 from engine.kv_pool import KVPool
 from engine.model_adapter import PagedModel, bucket, build_step_batch
+from engine.plan_cache import PlanCache, plan_key
 from engine.work import SequenceWork
 from tests.reference import collect, reference_model
 from tests.test_architectures import tiny_model
