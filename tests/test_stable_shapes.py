@@ -17,7 +17,8 @@ import pytest
 import engine.runner.model_adapter as model_adapter
 from engine import Engine, EngineConfig, FinishReason, SamplingParams
 from engine.attention import dispatch as attention
-from engine.attention.plans import Launch, PlanCache, Ref, plan_key
+from engine.attention.plan_cache import PlanCache, plan_key
+from engine.attention.plans import Launch, Ref
 from engine.kv.block_table import BlockTable
 from engine.kv.blocks import BlockAllocator
 from engine.kv.pool import KVPool

@@ -20,16 +20,15 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from engine.attention.plan_cache import PlanCache, plan_key
 from engine.attention.plans import (
     PARTITION_TOKENS,
     KernelSet,
     KernelSource,
     Launch,
-    PlanCache,
     as_int32,
     checked_call,
     partitions_for,
-    plan_key,
     reduce_launch,
     shaders_root,
     workers_for,
@@ -164,7 +163,7 @@ def plan_attention(
     return [attend, reduce]
 
 
-#: Plans by shape, bounded (engine/attention/plans.py ``PlanCache``).
+#: Plans by shape, bounded (engine/attention/plan_cache.py).
 PLANS = PlanCache(KERNELS)
 
 

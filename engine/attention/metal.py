@@ -21,16 +21,15 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from engine.attention.plan_cache import PlanCache, plan_key
 from engine.attention.plans import (
     PARTITION_TOKENS,
     KernelSet,
     KernelSource,
     Launch,
-    PlanCache,
     as_int32,
     checked_call,
     partitions_for,
-    plan_key,
     reduce_launch,
     shaders_root,
     workers_for,
@@ -44,7 +43,7 @@ TG_MEMORY_BUDGET = 16384  # bytes of threadgroup memory for the cross-simdgroup 
 
 #: The Metal kernels (``mx.fast.metal_kernel``) of the shader file.
 KERNELS = KernelSet("metal_kernel", SHADER_PATH, "paged_decode", "paged_decode_reduce", "shader")
-#: Plans by shape, bounded (engine/attention/plans.py ``PlanCache``): planned once per shape,
+#: Plans by shape, bounded (engine/attention/plan_cache.py): planned once per shape,
 #: not on every layer of every step.
 PLANS = PlanCache(KERNELS)
 

@@ -7,8 +7,8 @@ the very same plans, so the geometry a backend module chooses is what CI verifie
 geometry and the kernel language differ between the backends; everything else lives here,
 once: where the shader files are, how a source file splits into kernel bodies, the plan's
 types, the attention shapes both kernels handle and the checks on a call's arrays, building
-each kernel object once, running a plan, and keeping each shape's plan in a bounded cache
-(``PlanCache``) so that a step's layers only pass arrays.
+each kernel object once, and running a plan. Each shape's plan is kept in a bounded cache
+(engine/attention/plan_cache.py) so that a step's layers only pass arrays.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -38,7 +37,7 @@ _HEADER_MARKER = "// ==== header ===="
 def shaders_root() -> Path:
     """The folder holding ``shaders/``: the project root from source; ``sys._MEIPASS`` in a
     PyInstaller bundle (packaging/pagedchat.spec ships ``shaders/`` there as data; the app's
-    own files use the same rule through app/ui/resources.py, which the engine must not import)."""
+    own files use the same rule through app/resources.py, which the engine must not import)."""
     base = getattr(sys, "_MEIPASS", None) if getattr(sys, "frozen", False) else None
     return Path(base) if base else Path(__file__).resolve().parents[2]  # engine/attention/plans.py
 
@@ -288,97 +287,3 @@ class KernelSet:
             )
             results.append(list(outputs))
         return results
-
-
-#: Plans a backend keeps (least recently used dropped first). A steady decode uses one or
-#: two keys (engine/runner/model_adapter.py buckets the shapes); the bound stops a server that sees
-#: every prompt length from growing the cache for ever.
-PLAN_CACHE_SIZE = 128
-
-
-@dataclass(frozen=True)
-class BoundLaunch:
-    """A launch with its kernel object and everything but the arrays: each input is the
-    index of an argument of the call, or a ``Ref`` to an earlier launch's output."""
-
-    kernel: object  # the mx.fast kernel
-    inputs: tuple  # int (argument index) | Ref
-    template: list
-    grid: tuple[int, int, int]
-    threadgroup: tuple[int, int, int]
-    output_shapes: list
-    output_dtypes: list
-
-
-class PlanCache:
-    """A backend's launch plans by shape key, bounded (LRU), each planned once.
-
-    Planning (validation, geometry, kernel objects) costs tens of microseconds and an engine
-    step attends once per layer, so a step would pay it tens of times; cached, a call only
-    passes its arrays. The key is the call's shapes and dtypes, not its values: every array
-    the plan reads is an argument of the call."""
-
-    def __init__(self, kernels: KernelSet, size: int = PLAN_CACHE_SIZE) -> None:
-        self.kernels = kernels
-        self.size = size
-        self._plans: OrderedDict[tuple, list[BoundLaunch]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._plans)
-
-    def keys(self) -> list[tuple]:
-        return list(self._plans)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()
-
-    def run(self, key: tuple, args: tuple, plan: Callable[[], list[Launch]]) -> mx.array:
-        """Output 0 of the last launch of the plan for ``key`` (``plan()`` builds it, from
-        the arrays in ``args``, the first time), run on ``args``."""
-        with self._lock:  # engines on other threads share the cache
-            bound = self._plans.get(key)
-            if bound is not None:
-                self._plans.move_to_end(key)
-        if bound is None:
-            bound = self._bind(plan(), args)
-            with self._lock:
-                self._plans[key] = bound
-                while len(self._plans) > self.size:
-                    self._plans.popitem(last=False)
-        results: list[list[mx.array]] = []
-        for launch in bound:
-            inputs = [results[x.launch][x.output] if isinstance(x, Ref) else args[x]
-                      for x in launch.inputs]
-            results.append(launch.kernel(
-                inputs=inputs, template=launch.template, grid=launch.grid,
-                threadgroup=launch.threadgroup, output_shapes=launch.output_shapes,
-                output_dtypes=launch.output_dtypes,
-            ))
-        return results[-1][0]
-
-    def _bind(self, plan: list[Launch], args: tuple) -> list[BoundLaunch]:
-        def index(x) -> int | Ref:
-            if isinstance(x, Ref):
-                return x
-            for i, a in enumerate(args):
-                if x is a:
-                    return i
-            raise ValueError("a plan reads an array that is not an argument of the call: "
-                             "it cannot be cached by shape")
-
-        return [
-            BoundLaunch(self.kernels.get(x.kernel), tuple(index(i) for i in x.inputs),
-                        list(x.template), x.grid, x.threadgroup,
-                        [list(o) for o in x.output_shapes], list(x.output_dtypes))
-            for x in plan
-        ]
-
-
-def plan_key(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
-             context_lens: mx.array) -> tuple:
-    """What a plan depends on: the shapes and dtypes of the call's arrays (never their
-    values), so a call that would fail ``checked_call`` never shares a checked one's plan."""
-    return (q.shape, q.dtype, k_pool.shape, k_pool.dtype, v_pool.shape, v_pool.dtype,
-            block_tables.shape, context_lens.shape)
