@@ -131,6 +131,7 @@ class ModelButton(QToolButton):
         super().__init__(parent)
         self.setObjectName("modelButton")
         self.setAccessibleName("Model")
+        self.setToolTip("The model: click for its settings")  # richer once it is loaded
         self.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
         self.refresh_icon()
 
