@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app import icons
 from app.monitor.block_map import BlockMap, BlockMapArea
 from app.monitor.chats import Chats, NoChats
 from app.monitor.counters import (
@@ -174,7 +175,8 @@ class MonitorPanel(QWidget):
         self.zoom_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         self.zoom_label.setAccessibleName("Blocks per cell")
         head.addWidget(self.zoom_label)
-        self.zoom_out_button = self._tool("−", "Zoom out of the block map", "Zoom out (−)")
+        minus = icons.drawable("−", "-")  # a graceful substitute in a font without it
+        self.zoom_out_button = self._tool(minus, "Zoom out of the block map", f"Zoom out ({minus})")
         self.zoom_fit_button = self._tool("Fit", "Fit the whole pool", "Show every block (0)")
         self.zoom_in_button = self._tool("+", "Zoom into the block map", "Zoom in (+, Ctrl+wheel)")
         for b in (self.zoom_out_button, self.zoom_fit_button, self.zoom_in_button):
