@@ -133,6 +133,7 @@ class MainWindow(QMainWindow):
                 b.setToolTip(tip)
 
         self.pool_label = PoolLabel()
+        self.statusBar().addPermanentWidget(self.banner.loading)
         self.statusBar().addPermanentWidget(self.pool_label)
         self.statusBar().setSizeGripEnabled(False)
         self.resize(1380, 860)

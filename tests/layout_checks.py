@@ -55,13 +55,14 @@ def geometries(window: QWidget, exclude: tuple[QWidget, ...] = ()) -> dict[str, 
     return out
 
 
-def settled_geometries(qtbot: Any, window: QWidget) -> dict[str, tuple]:
+def settled_geometries(qtbot: Any, window: QWidget,
+                       exclude: tuple[QWidget, ...] = ()) -> dict[str, tuple]:
     """`geometries` once two looks in a row, with events processed between them, agree
     (layouts settle over several event-loop turns)."""
     seen: dict[str, Any] = {"last": None}
 
     def stable() -> bool:
-        now = geometries(window)
+        now = geometries(window, exclude)
         same, seen["last"] = now == seen["last"], now
         return same
 

@@ -107,3 +107,61 @@ def test_the_monitor_comes_back_at_its_width_after_a_resize_and_restore(window, 
         window.resize(1500, 900)
         qtbot.waitUntil(lambda: window.width() == 1500 and window.monitor_dock.isVisible())
         qtbot.waitUntil(lambda: window.monitor_dock.width() == width, timeout=3000)
+
+
+def test_nothing_moves_when_the_model_finishes_loading(qtbot, qasync_loop, app_env,
+                                                       restores_the_style):
+    """The loading banner above the panes went away when loading ended (every pane moved up
+    38 px) and the toolbar's model button shrank (every button after it moved left)."""
+    from app.engine_bridge import EngineBridge
+    from app.main_window import MainWindow
+
+    theme_manager().apply("light")
+    bridge = EngineBridge()  # no engine yet: the window shows the model as loading
+    w = MainWindow(Store(app_env), bridge)
+    qtbot.addWidget(w)
+    w.resize(1280, 800)
+    w.show()
+    qtbot.waitExposed(w)
+    try:
+        assert w.banner.loading.isVisible() and "Loading" in w.banner.loading.label.text()
+        bar = w.statusBar()
+        height = bar.height()
+        before = settled_geometries(qtbot, w, exclude=(bar,))  # (its text may change)
+        info = SimpleNamespace(name=w.settings.model_label(), max_context=8192, num_blocks=182,
+                               block_size=16, kv_dtype="float32", paged=True)
+        bridge._model_info = info
+        bridge._set_status("ready")  # what the bridge does when the engine is ready
+        bridge.modelReady.emit(info)
+        qtbot.waitUntil(lambda: not w.banner.loading.isVisible())
+        after = settled_geometries(qtbot, w, exclude=(bar,))
+        moved = {k.split("/")[-1]: (v, after.get(k)) for k, v in before.items()
+                 if after.get(k) != v}
+        assert not moved, moved
+        assert bar.height() == height
+    finally:
+        w.shutdown_chats()
+        w.store.close()
+
+
+def test_nothing_moves_when_the_api_server_starts(window, qtbot):
+    """Its status-bar widget (the URL and a Copy Key button) made the bar 8 px taller, and
+    the whole window above it moved."""
+    panel = window.server_panel
+    panel.settings.port = 0  # a free port
+    bar = window.statusBar()
+    height = bar.height()
+    before = settled_geometries(qtbot, window, exclude=(bar,))
+    panel.toggle.trigger()  # Server ▸ Run API Server
+    try:
+        qtbot.waitUntil(lambda: panel.running and panel.status.copy_key.isVisible(),
+                        timeout=30_000)
+        after = settled_geometries(qtbot, window, exclude=(bar,))
+        moved = {k.split("/")[-1]: (v, after.get(k)) for k, v in before.items()
+                 if after.get(k) != v}
+        assert not moved, moved
+        assert bar.height() == height and panel.status.copy_key.height() >= \
+            panel.status.copy_key.sizeHint().height()
+    finally:
+        panel.toggle.trigger()
+        qtbot.waitUntil(lambda: not panel.running, timeout=30_000)
