@@ -165,3 +165,25 @@ def test_nothing_moves_when_the_api_server_starts(window, qtbot):
     finally:
         panel.toggle.trigger()
         qtbot.waitUntil(lambda: not panel.running, timeout=30_000)
+
+
+def test_the_message_box_shows_every_line_when_its_pane_narrows(window, qtbot):
+    """A box sized for its text at one width kept that height when its pane narrowed (the
+    sidebar shown again): the text took more lines, the last one cut behind a scroll bar."""
+    window.resize(1280, 800)
+    qtbot.waitUntil(lambda: window.width() == 1280)
+    _four_titled_panes(qtbot, window)
+    qtbot.waitUntil(lambda: not window.sidebar.isVisible())
+    box = window.panes[1].input
+    box.setFocus()
+    qtbot.keyClicks(box, "This is a long message that wraps onto a second line in a pane")
+    qtbot.keyClick(box, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
+    qtbot.keyClicks(box, "and a line of its own")
+    settled_geometries(qtbot, window)
+    assert box.verticalScrollBar().maximum() == 0  # every line shows
+    width = box.width()
+    shortcut(qtbot, window, window.act_sidebar)  # View ▸ Show Sidebar: the panes narrow
+    qtbot.waitUntil(lambda: box.width() < width - 40)
+    settled_geometries(qtbot, window)
+    assert box.verticalScrollBar().maximum() == 0, "lines hidden behind a scroll bar"
+    assert not box.verticalScrollBar().isVisible()

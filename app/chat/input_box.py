@@ -7,7 +7,7 @@ chat app. Plain text only: pasted rich text is stripped.
 from __future__ import annotations
 
 from PySide6.QtCore import QMimeData, QSize, Qt, Signal
-from PySide6.QtGui import QKeyEvent
+from PySide6.QtGui import QKeyEvent, QResizeEvent, QTextLayout, QTextOption
 from PySide6.QtWidgets import QPlainTextEdit, QSizePolicy, QWidget
 
 MAX_LINES = 8
@@ -49,9 +49,38 @@ class InputBox(QPlainTextEdit):
         if source.hasText():
             self.insertPlainText(source.text())
 
+    def wrapped_line_count(self) -> int:
+        """Lines the text takes at the box's present width, counted by laying each paragraph
+        out anew (the document's own count lags a width change: a pane made narrower kept a
+        box of the old height, its last line cut in half behind a scroll bar)."""
+        doc = self.document()
+        width = self.viewport().width() - 2 * doc.documentMargin()
+        option = QTextOption(doc.defaultTextOption())
+        option.setWrapMode(self.wordWrapMode())
+        lines = 0
+        block = doc.begin()
+        while block.isValid():
+            layout = QTextLayout(block.text(), self.font())
+            layout.setTextOption(option)
+            layout.beginLayout()
+            while True:
+                line = layout.createLine()
+                if not line.isValid():
+                    break
+                line.setLineWidth(max(1.0, width))
+                lines += 1
+            layout.endLayout()
+            block = block.next()
+        return max(1, lines)
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        if event.oldSize().width() != event.size().width():
+            self._fit()  # the same text takes more or fewer lines now
+
     def _fit(self, *_args: object) -> None:
         line = self.fontMetrics().lineSpacing()
-        lines = max(1, min(MAX_LINES, int(self.document().size().height())))
+        lines = min(MAX_LINES, self.wrapped_line_count())
         margins = self.contentsMargins()
         doc_margin = self.document().documentMargin()
         h = int(lines * line + 2 * doc_margin + margins.top() + margins.bottom()) + 2
