@@ -25,7 +25,7 @@ def header_cuts(pane: Any) -> list[str]:
     if len(shown.splitlines()) * fm.lineSpacing() > pane.title_label.height():
         cuts.append(f"title {shown!r} taller than its label ({pane.title_label.height()} px)")
     combo = pane.model_selector
-    text = combo.currentText()
+    text = combo.display_text()  # as painted (hyphens do not break)
     room = combo._text_rect(combo.width(), combo.height())
     cfm = combo.fontMetrics()
     if any(cfm.horizontalAdvance(w) > room.width() for w in text.split()):
