@@ -13,39 +13,16 @@ from app.monitor.counters import PoolCounters
 from app.monitor.monitor import CONTENT
 from tests.app_helpers import engineless_window
 from tests.gui_helpers import when_modal
+from tests.ui_checks import accessible_nodes, unnamed_interactive
 from tests.user_path import shortcut, type_and_send
 
 R = QAccessible.Role
-# roles a user acts on: each must have a name to be announced by
-INTERACTIVE = {R.Button, R.PushButton, R.CheckBox, R.RadioButton, R.ComboBox, R.EditableText,
-               R.SpinBox, R.Slider, R.ListItem, R.Cell, R.PageTab, R.Link, R.ButtonMenu,
-               R.ButtonDropDown, R.ButtonDropGrid, R.Grip, R.MenuItem, R.TreeItem}
 
 
 @pytest.fixture
 def window(qtbot, qasync_loop, app_env):
     with engineless_window(qtbot, Store(app_env), size=(1500, 900)) as w:
         yield w
-
-
-def accessible_nodes(widget) -> list[tuple[QAccessible.Role, str, str, object]]:
-    """(role, name, class, object) of every node a screen reader can reach under `widget`:
-    widgets, and the items of views (messages, chats) that are no widgets of their own."""
-    out = []
-
-    def walk(iface) -> None:
-        if iface is None or not iface.isValid() or iface.state().invisible:
-            return
-        if iface.rect().isEmpty():
-            return  # nothing on screen (a collapsed header, an empty view's corner)
-        obj = iface.object()
-        cls = obj.metaObject().className() if obj is not None else "item"
-        out.append((iface.role(), iface.text(QAccessible.Text.Name).strip(), cls, obj))
-        for i in range(iface.childCount()):
-            walk(iface.child(i))
-
-    walk(QAccessible.queryAccessibleInterface(widget))
-    return out
 
 
 def _counters(**kw) -> PoolCounters:
@@ -64,8 +41,7 @@ def test_every_interactive_node_of_the_window_has_a_name_and_role(window, qtbot)
     panel.counters.set_counters(_counters())
     QApplication.processEvents()
     nodes = accessible_nodes(window)
-    unnamed = [f"{role.name} {cls}" for role, name, cls, _ in nodes
-               if role in INTERACTIVE and not name]
+    unnamed = unnamed_interactive(window)
     assert not unnamed, unnamed
     named = {obj: (role, name) for role, name, _cls, obj in nodes if obj is not None}
     # the panes, by number and chat; the send button; the monitor's counters with values

@@ -16,7 +16,7 @@ from app.engine_bridge import EngineBridge
 from app.main_window import MainWindow
 from tests.app_helpers import engineless_window
 from tests.gui_helpers import click_button, trigger_menu_item, when_modal, when_popup_menu
-from tests.layout_checks import settled_geometries
+from tests.ui_checks import settled_geometries
 
 
 @pytest.fixture

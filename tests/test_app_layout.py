@@ -15,7 +15,7 @@ from app.core.store import Store
 from app.dock_fit import SIDEBAR_HINT
 from app.theme import theme_manager
 from tests.app_helpers import engineless_window
-from tests.layout_checks import header_cuts, settled_geometries
+from tests.ui_checks import header_cuts, settled_geometries
 from tests.user_path import activate, shortcut
 
 TITLES = ("What is the capital of France?", "Explain paged attention simply",
