@@ -14,7 +14,7 @@ from app.monitor.monitor import CONTENT
 from tests.app_helpers import engineless_window
 from tests.gui_helpers import when_modal
 from tests.ui_checks import accessible_nodes, unnamed_interactive
-from tests.user_path import shortcut, type_and_send
+from tests.user_path import activate, shortcut, type_and_send
 
 R = QAccessible.Role
 
@@ -99,3 +99,35 @@ def test_help_keyboard_shortcuts_lists_every_shortcut_of_the_window(window, qtbo
     assert ("Branch From Last Message",
             QKeySequence("Ctrl+Alt+B").toString(QKeySequence.SequenceFormat.NativeText)) in {
         (c, k) for _m, c, k in seen["rows"]}
+
+
+def test_tab_goes_round_the_window_every_stop_named(window, qtbot):
+    """Full keyboard use: Tab from the message box visits every control and comes back (a
+    table that keeps Tab to itself is a trap), Shift+Tab goes back; each stop is named."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtTest import QTest
+
+    type_and_send(qtbot, window.panes[0], "What is a KV cache?")
+    window.new_chat(new_pane=True)
+    panel = window.monitor_dock.widget()
+    panel.pages.setCurrentIndex(CONTENT)  # the monitor as a snapshot shows it
+    activate(qtbot, window)
+    window.focused_pane.focus_input()
+    qtbot.waitUntil(lambda: QApplication.focusWidget() is window.focused_pane.input)
+    start, seen = QApplication.focusWidget(), []
+    for _ in range(80):
+        QTest.keyClick(QApplication.focusWidget(), Qt.Key.Key_Tab)
+        now = QApplication.focusWidget()
+        if now is start:
+            break
+        seen.append(now)
+    else:
+        pytest.fail(f"Tab never came back: {[x.objectName() or type(x).__name__ for x in seen]}")
+    reached = {x.objectName() for x in seen}
+    for must in ("sendButton", "modelSelector", "searchField", "conversationList"):
+        assert must in reached, (must, sorted(reached))
+    unnamed = [f"{type(x).__name__} {x.objectName()}" for x in seen
+               if not (x.accessibleName() or (isinstance(x, QAbstractButton) and x.text()))]
+    assert not unnamed, unnamed
+    QTest.keyClick(QApplication.focusWidget(), Qt.Key.Key_Tab, Qt.KeyboardModifier.ShiftModifier)
+    assert QApplication.focusWidget() is seen[-1]

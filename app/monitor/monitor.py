@@ -153,6 +153,7 @@ class MonitorPanel(QWidget):
         # scrolled, so the panel's minimum size can be small (see minimumSizeHint)
         self.scroll = QScrollArea(self)
         self.scroll.setObjectName("monitorScroll")
+        self.scroll.setAccessibleName("KV monitor, scrollable")  # a Tab stop: arrows scroll it
         self.scroll.setFrameShape(QFrame.Shape.NoFrame)
         self.scroll.setWidgetResizable(True)
         self.scroll.setBackgroundRole(QPalette.ColorRole.Base)
