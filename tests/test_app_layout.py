@@ -187,3 +187,25 @@ def test_the_message_box_shows_every_line_when_its_pane_narrows(window, qtbot):
     settled_geometries(qtbot, window)
     assert box.verticalScrollBar().maximum() == 0, "lines hidden behind a scroll bar"
     assert not box.verticalScrollBar().isVisible()
+
+
+def test_four_panes_keep_their_room_through_any_resize(window, qtbot):
+    """Whatever the order of sizes, four panes from 1280 px up each keep the room a header
+    needs: the sidebar and the monitor give way (a hidden sidebar once counted as costing
+    nothing, came back at 1280 px and left 213 px panes)."""
+    from app.dock_fit import PANE_ROOM
+
+    window.resize(1380, 860)
+    qtbot.waitUntil(lambda: window.width() == 1380)
+    _four_titled_panes(qtbot, window)
+    for width, height in ((1380, 860), (1280, 800), (800, 600), (1500, 900), (1280, 800),
+                          (1600, 900), (1800, 900), (1280, 800)):
+        window.resize(width, height)
+        qtbot.waitUntil(lambda w=width: window.width() == w)
+        settled_geometries(qtbot, window)
+        widths = [p.width() for p in window.panes]
+        if width >= 1280:
+            assert window.monitor_dock.isVisible(), width
+            assert min(widths) >= PANE_ROOM - 4, (width, widths, window.sidebar.isVisible(),
+                                                  window.monitor_dock.width())
+            assert not any(header_cuts(p) for p in window.panes), width

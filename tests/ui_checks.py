@@ -58,14 +58,16 @@ def geometries(window: QWidget, exclude: tuple[QWidget, ...] = ()) -> dict[str, 
 
 def settled_geometries(qtbot: Any, window: QWidget,
                        exclude: tuple[QWidget, ...] = ()) -> dict[str, tuple]:
-    """`geometries` once two looks in a row, with events processed between them, agree
-    (layouts settle over several event-loop turns)."""
-    seen: dict[str, Any] = {"last": None}
+    """`geometries` once three looks in a row, with events processed between them, agree
+    (layouts settle over several event-loop turns: a dock resized for room lands a turn
+    after the resize that asked for it)."""
+    seen: dict[str, Any] = {"last": None, "same": 0}
 
     def stable() -> bool:
         now = geometries(window, exclude)
-        same, seen["last"] = now == seen["last"], now
-        return same
+        seen["same"] = seen["same"] + 1 if now == seen["last"] else 0
+        seen["last"] = now
+        return seen["same"] >= 2
 
     qtbot.waitUntil(stable, timeout=5000)
     return seen["last"]
