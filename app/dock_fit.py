@@ -25,7 +25,7 @@ HINT = "The KV monitor is hidden to make room: Monitor (Ctrl+Shift+M) shows it."
 SIDEBAR_HINT = "The sidebar is hidden to make room for the panes: Ctrl+Shift+S shows it."
 HIDE_BELOW = 1000  # window width (px) under which the monitor steps aside
 MAX_SHARE = 0.34  # of the window's width, for a docked (right-hand) monitor
-CROWDED_SHARE = 0.24  # the monitor's share while the panes are short of room
+CROWDED_SHARE = 0.27  # the monitor's share while the panes are short of room
 PANE_ROOM = 230  # px a pane needs for its header to show a title and the model unelided
 HYSTERESIS = 20  # px more than needed before a sidebar that stepped aside comes back
 

@@ -11,6 +11,7 @@ import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QApplication
 
+from app.chat.input_box import MAX_LINES
 from app.core.store import Store
 from app.dock_fit import SIDEBAR_HINT
 from app.theme import theme_manager
@@ -176,15 +177,16 @@ def test_the_message_box_shows_every_line_when_its_pane_narrows(window, qtbot):
     qtbot.waitUntil(lambda: not window.sidebar.isVisible())
     box = window.panes[1].input
     box.setFocus()
-    qtbot.keyClicks(box, "This is a long message that wraps onto a second line in a pane")
+    qtbot.keyClicks(box, "This message wraps onto a second line")
     qtbot.keyClick(box, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
-    qtbot.keyClicks(box, "and a line of its own")
+    qtbot.keyClicks(box, "and one more")
     settled_geometries(qtbot, window)
     assert box.verticalScrollBar().maximum() == 0  # every line shows
     width = box.width()
     shortcut(qtbot, window, window.act_sidebar)  # View ▸ Show Sidebar: the panes narrow
     qtbot.waitUntil(lambda: box.width() < width - 40)
     settled_geometries(qtbot, window)
+    assert box.document().size().height() <= MAX_LINES  # (beyond that it scrolls by design)
     assert box.verticalScrollBar().maximum() == 0, "lines hidden behind a scroll bar"
     assert not box.verticalScrollBar().isVisible()
 

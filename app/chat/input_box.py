@@ -7,7 +7,7 @@ chat app. Plain text only: pasted rich text is stripped.
 from __future__ import annotations
 
 from PySide6.QtCore import QMimeData, QSize, Qt, Signal
-from PySide6.QtGui import QKeyEvent, QResizeEvent, QTextLayout, QTextOption
+from PySide6.QtGui import QKeyEvent, QResizeEvent
 from PySide6.QtWidgets import QPlainTextEdit, QSizePolicy, QWidget
 
 MAX_LINES = 8
@@ -50,26 +50,17 @@ class InputBox(QPlainTextEdit):
             self.insertPlainText(source.text())
 
     def wrapped_line_count(self) -> int:
-        """Lines the text takes at the box's present width, counted by laying each paragraph
-        out anew (the document's own count lags a width change: a pane made narrower kept a
-        box of the old height, its last line cut in half behind a scroll bar)."""
+        """Lines the text takes at the box's present width, from the document's own layout
+        of every paragraph (its size lags a width change, as it lays out only what it shows:
+        a pane made narrower kept a box of the old height, its last line cut in half behind
+        a scroll bar)."""
         doc = self.document()
-        width = self.viewport().width() - 2 * doc.documentMargin()
-        option = QTextOption(doc.defaultTextOption())
-        option.setWrapMode(self.wordWrapMode())
+        layout = doc.documentLayout()
         lines = 0
         block = doc.begin()
         while block.isValid():
-            layout = QTextLayout(block.text(), self.font())
-            layout.setTextOption(option)
-            layout.beginLayout()
-            while True:
-                line = layout.createLine()
-                if not line.isValid():
-                    break
-                line.setLineWidth(max(1.0, width))
-                lines += 1
-            layout.endLayout()
+            layout.ensureBlockLayout(block)
+            lines += max(1, block.layout().lineCount())
             block = block.next()
         return max(1, lines)
 
