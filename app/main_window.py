@@ -334,7 +334,8 @@ class MainWindow(QMainWindow):
     def show_shortcuts(self) -> None:
         """Help ▸ Keyboard Shortcuts, read off this window's actions as they are now."""
         dialog = ShortcutsDialog(shortcut_rows(self.actions_by_key), self)
-        dialog.exec()
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.open()  # window-modal, no nested event loop
 
     def about(self) -> None:
         QMessageBox.about(

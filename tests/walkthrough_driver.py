@@ -547,10 +547,12 @@ class Driver:
         await self.idle(pane)
         if self.reply(pane).status != "stopped":
             raise StepFailed(f"after Esc the reply is {self.reply(pane).status}")
-        # Help ▸ Keyboard Shortcuts is modal (its exec() holds the key press that opened it):
-        # a poll from the event loop photographs it and closes it with Esc
+        # Help ▸ Keyboard Shortcuts is modal: a poll from the event loop photographs it and
+        # closes it with Esc
         seen = self.in_next_dialog(ShortcutsDialog, "keyboard-shortcuts", Qt.Key.Key_Escape)
         await self.press(Qt.Key.Key_Slash, CTRL)
+        await self.until("the shortcuts to open and close", lambda: seen
+                         and QApplication.activeModalWidget() is None, 10)
         if seen != ["keyboard-shortcuts"]:
             raise StepFailed(f"Ctrl+/ did not show the shortcuts and close on Esc: {seen}")
         await self.activate()
