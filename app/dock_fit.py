@@ -12,6 +12,10 @@ window and the panes were left one word wide. Here:
 - the sidebar steps aside when the panes would get less than `PANE_ROOM` px each (four panes
   and the monitor at 1280 px: 153 px panes cut every title to "What i…"), with a hint, and
   comes back when there is room again, unless the user showed or hid it meanwhile.
+
+Each decision is a function of the window's width, the number of panes and the user's own
+choices, never of the sizes the window went through: a window made small and large again
+is laid out as it was.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ HIDE_BELOW = 1000  # window width (px) under which the monitor steps aside
 MAX_SHARE = 0.34  # of the window's width, for a docked (right-hand) monitor
 CROWDED_SHARE = 0.27  # the monitor's share while the panes are short of room
 PANE_ROOM = 230  # px a pane needs for its header to show a title and the model unelided
-HYSTERESIS = 20  # px more than needed before a sidebar that stepped aside comes back
 
 
 class DockFitter(QObject):
@@ -141,7 +144,7 @@ class DockFitter(QObject):
             self.sidebar_auto_hidden = True
             self.window.toggle_sidebar(False, by_user=False)
             self.window.statusBar().showMessage(SIDEBAR_HINT, 8000)
-        elif self.sidebar_auto_hidden and room >= need + HYSTERESIS:
+        elif self.sidebar_auto_hidden and room >= need:
             self.sidebar_auto_hidden = False
             self.window.toggle_sidebar(True, by_user=False)
             if self.window.statusBar().currentMessage() == SIDEBAR_HINT:

@@ -211,3 +211,28 @@ def test_four_panes_keep_their_room_through_any_resize(window, qtbot):
             assert min(widths) >= PANE_ROOM - 4, (width, widths, window.sidebar.isVisible(),
                                                   window.monitor_dock.width())
             assert not any(header_cuts(p) for p in window.panes), width
+
+
+@pytest.mark.parametrize("panes", [3, 4])
+def test_a_size_gets_the_same_layout_whatever_came_before(window, qtbot, panes):
+    """The side panels' decisions depend on the size, not the way there: 1280 px reached
+    from 1380 and reached again after 800 and 1500 px gave a hidden sidebar and a 418 px
+    monitor, then a shown sidebar and a 345 px monitor (the walk-through's restore step)."""
+    window.resize(1280, 800)
+    qtbot.waitUntil(lambda: window.width() == 1280)
+    _four_titled_panes(qtbot, window)
+    settled_geometries(qtbot, window)
+    while len(window.panes) > panes:  # closed at this size, as the walk-through does
+        window.close_focused_pane()
+
+    def layout_at(width, height):
+        window.resize(width, height)
+        qtbot.waitUntil(lambda: window.width() == width)
+        settled_geometries(qtbot, window)
+        return (window.monitor_dock.width() if window.monitor_dock.isVisible() else 0,
+                window.sidebar.isVisible(), [p.width() for p in window.panes])
+
+    first = layout_at(1280, 800)
+    for width, height in ((800, 600), (1500, 900), (1800, 900)):
+        layout_at(width, height)
+        assert layout_at(1280, 800) == first, (width, first)
