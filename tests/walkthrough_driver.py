@@ -540,7 +540,7 @@ class Driver:
         pane = w.focused_pane
         await self.until("the new chat's message box to have the focus",
                          lambda: QApplication.focusWidget() is pane.input, 10)
-        await self.type_here("Name a colour.")
+        await self.type_here(LONG_PROMPT)
         await self.press(Qt.Key.Key_Return)
         await self.until("streamed text", lambda: len(self.reply(pane).content) > 5)
         await self.press(Qt.Key.Key_Escape)  # Esc stops it (the focus is in its box)
