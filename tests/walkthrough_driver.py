@@ -585,9 +585,13 @@ class Driver:
         unnamed = [f"{x.metaObject().className()} {x.objectName()}" for x in seen
                    if not (x.accessibleName() or getattr(x, "text", lambda: "")())]
         reached = {x.objectName() for x in seen}
-        for must in ("sendButton", "modelSelector", "searchField", "conversationList"):
+        # (the sidebar shows the search's hits while the search is typed, else the chats)
+        lists = {"conversationList", "searchResults"}
+        for must in ("sendButton", "modelSelector", "messageList", "searchField"):
             if must not in reached:
                 raise StepFailed(f"Tab never reaches {must}: {sorted(reached)}")
+        if not reached & lists:
+            raise StepFailed(f"Tab never reaches the sidebar's list: {sorted(reached)}")
         if unnamed:
             raise StepFailed(f"Tab reaches unnamed controls: {unnamed}")
         await self.press(Qt.Key.Key_Tab, shift)  # back: Shift+Tab
