@@ -16,7 +16,7 @@ from app.core.store import Store
 from app.window.main_window import MainWindow
 from tests.app_helpers import engineless_window
 from tests.gui_helpers import click_button, trigger_menu_item, when_modal, when_popup_menu
-from tests.layout_checks import settled_geometries
+from tests.ui_checks import settled_geometries
 
 
 @pytest.fixture
@@ -759,3 +759,13 @@ def test_cached_blocks_stand_out_from_free_ones_in_the_dark_theme(window, qtbot)
     weak = {c: (round(dark[c], 1), round(light[c], 1)) for c in dark
             if dark[c] < max(CACHED_VS_FREE_MIN_DE, light[c])}
     assert not weak, f"dark vs light ΔE, cached vs free: {weak}"
+
+
+def test_cached_blocks_stand_out_from_free_ones_in_the_light_theme_too(window, qtbot):
+    """Issue 25 item 6: in the light theme the brown and teal chats' cached cells were 10.9
+    and 16.7 ΔE from free ones (they all but vanished on screen). Every chat colour's
+    cached cell is at least CACHED_VS_FREE_MIN_DE from a free one in both themes."""
+    for theme in ("light", "dark"):
+        distance = _cached_vs_free(window, qtbot, theme)
+        weak = {c: round(d, 1) for c, d in distance.items() if d < CACHED_VS_FREE_MIN_DE}
+        assert not weak, f"{theme}: cached vs free ΔE under {CACHED_VS_FREE_MIN_DE}: {weak}"

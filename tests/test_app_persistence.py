@@ -426,7 +426,7 @@ def test_changing_the_pool_restarts_the_engine_and_chats_survive(qtbot, qasync_l
         return dialog.result() == dialog.DialogCode.Accepted
 
     assert open_settings_and(qtbot, window, bigger_pool) == [True]
-    assert window.banner.isVisible()  # loading again
+    assert window.banner.loading.isVisible()  # loading again (in the status bar)
     qtbot.waitUntil(
         lambda: bridge.status == "ready" and bridge.engine is not old_engine, timeout=WAIT_MS
     )

@@ -8,6 +8,7 @@ header and never asks for a finished file again.
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections import namedtuple
 from pathlib import Path
@@ -165,8 +166,11 @@ def test_a_gated_repo_asks_for_the_token_and_downloads_with_it(hub, model_folder
 
 def test_no_network_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nobody listens
-    with pytest.raises(DownloadError, match="Hugging Face cannot be reached"):
+    with pytest.raises(DownloadError, match="Hugging Face cannot be reached") as refused:
         Download(REPO, tmp_path).run()
+    # in words, no exception class names (it read "(ConnectError)"; issue 25 item 6)
+    assert "(no connection)" in str(refused.value)
+    assert not re.search(r"[A-Z][a-z]+(Error|Exception)", str(refused.value)), refused.value
 
 
 def test_a_repo_that_is_no_mlx_lm_model_is_refused(hub, model_folder, tmp_path):

@@ -112,7 +112,9 @@ def test_attach_drop_remove_refuse_and_send(window, qtbot, tmp_path):
     doc = pane.model.index(pane.model.row_of(user.id)).data(Qt.ItemDataRole.DisplayRole)
     assert doc == "What digs?"
     rendered = pane.model.entry(pane.model.row_of(user.id)).doc.toPlainText()
-    assert "📎 notes.md" in rendered and "📎 main.py" in rendered  # the chips on the message
+    # the chips on the message: the drawn paperclip (an image, U+FFFC in the text), no emoji
+    assert "\ufffc notes.md" in rendered and "\ufffc main.py" in rendered
+    assert "📎" not in rendered
     # and the attached text is found by search, pointing at the message
     hits = window.store.search_hits("wombat")
     assert [(h.message_id, h.role) for h in hits] == [(user.id, "attachment")]

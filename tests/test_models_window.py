@@ -121,6 +121,7 @@ def test_listing_shows_built_in_hf_cache_and_downloaded_models(window, tiny, hub
 
 def test_download_shows_progress_cancels_and_resumes(window, tiny, hub, qtbot):
     w = open_models(window)
+    assert not w.progress.isVisible()  # no idle "0%" bar (issue 25 item 6)
     held = threading.Event()
     hub.state.hold[WEIGHTS] = held
     values: list[int] = []
@@ -129,7 +130,7 @@ def test_download_shows_progress_cancels_and_resumes(window, tiny, hub, qtbot):
     qtbot.mouseClick(w.download_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: WEIGHTS in w.status.text() and w.progress.value() > 0,
                     timeout=WAIT_MS)
-    assert " of " in w.status.text() and "/s" in w.status.text()
+    assert " of " in w.status.text() and "/s" in w.status.text() and w.progress.isVisible()
     assert not w.download_button.isEnabled() and w.cancel_button.isEnabled()
     qtbot.mouseClick(w.cancel_button, Qt.MouseButton.LeftButton)
     held.set()  # the server sends the rest: the next chunk finds the cancel

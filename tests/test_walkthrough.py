@@ -96,6 +96,11 @@ def test_a_first_session_walk_through(display, tmp_path):
     for expected in (
         "new-chat",
         "four-panes",
+        "four-panes-1280x800",
+        "restored-1280x800",
+        "keyboard-shortcuts",
+        "keyboard-only",
+        "screen-reader-walk",
         "stopped",
         "regenerated",
         "edited",

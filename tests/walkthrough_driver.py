@@ -22,7 +22,7 @@ from typing import Any
 from PySide6.QtCore import QPoint, Qt, QTimer
 from PySide6.QtGui import QCursor
 from PySide6.QtTest import QTest
-from PySide6.QtWidgets import QAbstractButton, QApplication, QMessageBox, QToolTip
+from PySide6.QtWidgets import QAbstractButton, QApplication, QLineEdit, QMessageBox, QToolTip
 
 STEP_TIMEOUT_S = 420.0
 LONG_PROMPT = "Write a long story about a dragon who learns to read, with many chapters."
@@ -236,6 +236,7 @@ class Driver:
         if w.frameGeometry().width() > screen.width():
             raise StepFailed("four panes made the window wider than the screen")
         await self.shot("four-panes")
+        await self.four_panes_at_1280()
 
         width = w.width()
         send_all = w.toolbar.widgetForAction(w.act_send_all)
@@ -333,6 +334,9 @@ class Driver:
         def size() -> str:
             return f"{w.width()}x{w.height()}, minimum {w.minimumSizeHint().toTuple()}"
 
+        await self.act(lambda: w.resize(1280, 800))
+        await self.until("1280x800", lambda: (w.width(), w.height()) == (1280, 800), 20, size)
+        sizes_before = await self.side_sizes()
         await self.act(lambda: w.resize(800, 600))
         await self.until("800x600", lambda: (w.width(), w.height()) == (800, 600), 20, size)
         await self.until("the monitor to step aside", lambda: not w.monitor_dock.isVisible(), 20)
@@ -344,11 +348,18 @@ class Driver:
         await self.until("1500x900", lambda: (w.width(), w.height()) == (1500, 900), 20, size)
         await self.until("the monitor to come back", lambda: w.monitor_dock.isVisible(), 20)
         await self.shot("back-to-1500x900")
+        await self.act(lambda: w.resize(1280, 800))  # and back where it was: the same widths
+        await self.until("1280x800", lambda: (w.width(), w.height()) == (1280, 800), 20, size)
+        sizes_after = await self.side_sizes()
+        if sizes_after != sizes_before:
+            raise StepFailed(f"resized and restored, the layout changed: {sizes_before} -> "
+                             f"{sizes_after} (monitor, sidebar, panes)")
+        await self.shot("restored-1280x800")
+        await self.act(lambda: w.resize(1500, 900))
+        await self.until("1500x900", lambda: (w.width(), w.height()) == (1500, 900), 20, size)
+        await self.settled_geometries()
 
-        await self.act(w.theme_actions["dark"].trigger)
-        await self.shot("dark-theme")
-        await self.act(w.theme_actions["light"].trigger)
-        await self.shot("light-theme")
+        await self.theme_switches()
 
         state = {
             "panes": [p.session.id for p in w.panes],
@@ -410,6 +421,190 @@ class Driver:
         corner = self.window.screen().geometry().bottomRight() - QPoint(2, 2)
         await self.act(lambda: QCursor.setPos(corner))
 
+    # ---- issue 25: a layout that holds (item 4), finish (6), keyboard and a11y (7) ---------
+
+    async def settled_geometries(self) -> dict[str, tuple]:
+        """Every widget's place once the layout has stopped moving (two looks agree)."""
+        from tests.ui_checks import geometries
+
+        last = None
+        for _ in range(50):
+            await self.settle()
+            now = geometries(self.window)
+            if now == last:
+                return now
+            last = now
+        raise StepFailed("the layout never settled")
+
+    async def side_sizes(self) -> tuple:
+        w = self.window
+        await self.settled_geometries()
+        return (w.monitor_dock.width() if w.monitor_dock.isVisible() else 0,
+                w.sidebar.width() if w.sidebar.isVisible() else 0,
+                [p.width() for p in w.panes])
+
+    async def four_panes_at_1280(self) -> None:
+        """Four panes and the monitor at 1280 x 800: the sidebar steps aside and no pane
+        header cuts its title or model (they read "What i…" and "Local")."""
+        from tests.ui_checks import header_cuts
+
+        w = self.window
+        await self.act(lambda: w.resize(1280, 800))
+        await self.until("1280x800", lambda: (w.width(), w.height()) == (1280, 800), 20)
+        await self.until("the sidebar to step aside", lambda: not w.sidebar.isVisible(), 20)
+        if not w.monitor_dock.isVisible():
+            raise StepFailed("the monitor is not shown beside four panes at 1280 px")
+        await self.settled_geometries()
+        cuts = [c for p in w.panes for c in header_cuts(p)]
+        if cuts:
+            raise StepFailed(f"pane headers cut text at 1280 px: {cuts}")
+        await self.shot("four-panes-1280x800")
+
+    async def theme_switches(self) -> None:
+        """Dark and back to light: no widget moves or changes size, the menu bar follows."""
+        w = self.window
+        light = await self.settled_geometries()
+        for theme in ("dark", "light"):
+            await self.act(w.theme_actions[theme].trigger)
+            now = await self.settled_geometries()
+            moved = {k.rsplit("/", 1)[-1]: (v, now.get(k)) for k, v in light.items()
+                     if now.get(k) != v}
+            if moved:
+                raise StepFailed(f"switching to the {theme} theme moved widgets: {moved}")
+            bar = w.menuBar()
+            last = bar.actionGeometry(bar.actions()[-1])
+            image = bar.grab().toImage()
+            x = (last.right() + bar.width()) // 2 * image.width() // max(1, bar.width())
+            lightness = image.pixelColor(x, image.height() // 2).lightness()
+            if (lightness < 80) != (theme == "dark"):
+                raise StepFailed(f"the menu bar's lightness is {lightness} in the {theme} theme")
+            await self.shot(f"{theme}-theme")
+
+    async def screen_reader_walk(self) -> None:
+        """The real window as a screen reader reaches it: every control named, the monitor's
+        counters read with their values."""
+        from tests.ui_checks import accessible_nodes, unnamed_interactive
+
+        w = self.window
+        unnamed = unnamed_interactive(w)
+        if unnamed:
+            raise StepFailed(f"controls a screen reader cannot name: {unnamed}")
+        names = [name for _role, name, _cls, _obj in accessible_nodes(w)]
+        counters = w.monitor_dock.widget().counters
+        used = counters.values["used"]
+        if f"Used: {used.text()}" not in names or used.text() == "–":
+            raise StepFailed(f"the Used counter reads {used.accessibleName()!r}")
+        messages = [n for n in names if n.startswith(("You: ", "Assistant: "))]
+        if not messages:
+            raise StepFailed("no message is named for a screen reader")
+        await self.shot("screen-reader-walk")
+
+    async def press(self, key: Qt.Key, mods: Any = Qt.KeyboardModifier.NoModifier) -> None:
+        """A key to whatever has the keyboard focus, as a keyboard does."""
+        await self.act(lambda: QTest.keyClick(QApplication.focusWidget() or self.window,
+                                              key, mods))
+
+    async def type_here(self, text: str) -> None:
+        await self.act(lambda: QTest.keyClicks(QApplication.focusWidget(), text))
+
+    def in_next_dialog(self, kind: type, name: str, key: Qt.Key) -> list[str]:
+        """Once a modal `kind` shows: save a screenshot of the screen as step `name`, then
+        press `key` in it (a keyboard user's answer)."""
+        seen: list[str] = []
+
+        def check() -> None:
+            box = QApplication.activeModalWidget()
+            if isinstance(box, kind) and box.isVisible():
+                self.n += 1
+                path = self.shots / f"{self.n:02d}-{name}.png"
+                geo = box.frameGeometry().united(self.window.frameGeometry())
+                QApplication.primaryScreen().grabWindow(
+                    0, geo.x(), geo.y(), geo.width(), geo.height()).save(str(path))
+                print(f"STEP OK: {name} -> {path}", flush=True)
+                seen.append(name)
+                QTest.keyClick(QApplication.focusWidget() or box, key)
+                return
+            QTimer.singleShot(50, check)
+
+        QTimer.singleShot(0, check)
+        return seen
+
+    async def keyboard_only(self) -> None:
+        """A session with the keyboard alone: every key goes to the focused widget."""
+        from app.window.shortcuts_dialog import ShortcutsDialog
+
+        w = self.window
+        shift = Qt.KeyboardModifier.ShiftModifier
+        await self.activate()
+        await self.press(Qt.Key.Key_N, CTRL)  # File ▸ New Chat
+        pane = w.focused_pane
+        await self.until("the new chat's message box to have the focus",
+                         lambda: QApplication.focusWidget() is pane.input, 10)
+        await self.type_here(LONG_PROMPT)
+        await self.press(Qt.Key.Key_Return)
+        await self.until("streamed text", lambda: len(self.reply(pane).content) > 5)
+        await self.press(Qt.Key.Key_Escape)  # Esc stops it (the focus is in its box)
+        await self.idle(pane)
+        if self.reply(pane).status != "stopped":
+            raise StepFailed(f"after Esc the reply is {self.reply(pane).status}")
+        # Help ▸ Keyboard Shortcuts is modal: a poll from the event loop photographs it and
+        # closes it with Esc
+        seen = self.in_next_dialog(ShortcutsDialog, "keyboard-shortcuts", Qt.Key.Key_Escape)
+        await self.press(Qt.Key.Key_Slash, CTRL)
+        await self.until("the shortcuts to open and close", lambda: seen
+                         and QApplication.activeModalWidget() is None, 10)
+        if seen != ["keyboard-shortcuts"]:
+            raise StepFailed(f"Ctrl+/ did not show the shortcuts and close on Esc: {seen}")
+        await self.activate()
+        await self.press(Qt.Key.Key_F2)  # Edit ▸ Rename Chat
+        await self.until("the title's editor", lambda: isinstance(QApplication.focusWidget(),
+                                                                  QLineEdit)
+                         and QApplication.focusWidget() is not w.sidebar.search, 10)
+        await self.act(lambda: QApplication.focusWidget().selectAll())
+        await self.type_here("Keyboard chat")
+        await self.press(Qt.Key.Key_Return)
+        await self.until("the new title", lambda: pane.session.title == "Keyboard chat", 10)
+        await self.press(Qt.Key.Key_F, CTRL)  # Edit ▸ Find Chats
+        await self.until("the search field", lambda: QApplication.focusWidget()
+                         is w.sidebar.search, 10)
+        await self.type_here("Keyboard")
+        await self.press(Qt.Key.Key_Return)  # opens the first hit
+        await self.until("the hit's chat", lambda: w.focused_pane is not None
+                         and w.focused_pane.session.id == pane.session.id, 10)
+        # Tab goes round every control of the window, each named for a screen reader
+        await self.act(w.focused_pane.focus_input)
+        start, seen = QApplication.focusWidget(), []
+        for _ in range(80):
+            await self.press(Qt.Key.Key_Tab)
+            now = QApplication.focusWidget()
+            if now is start:
+                break
+            seen.append(now)
+        else:
+            raise StepFailed("Tab never came back to the message box")
+        unnamed = [f"{x.metaObject().className()} {x.objectName()}" for x in seen
+                   if not (x.accessibleName() or getattr(x, "text", lambda: "")())]
+        reached = {x.objectName() for x in seen}
+        # (the sidebar shows the search's hits while the search is typed, else the chats)
+        lists = {"conversationList", "searchResults"}
+        for must in ("sendButton", "modelSelector", "messageList", "searchField"):
+            if must not in reached:
+                raise StepFailed(f"Tab never reaches {must}: {sorted(reached)}")
+        if not reached & lists:
+            raise StepFailed(f"Tab never reaches the sidebar's list: {sorted(reached)}")
+        if unnamed:
+            raise StepFailed(f"Tab reaches unnamed controls: {unnamed}")
+        await self.press(Qt.Key.Key_Tab, shift)  # back: Shift+Tab
+        await self.until("Shift+Tab back", lambda: QApplication.focusWidget() is seen[-1], 5)
+        await self.press(Qt.Key.Key_M, CTRL | shift)  # View ▸ Show KV Monitor: off, on
+        await self.until("the monitor to hide", lambda: not w.monitor_dock.isVisible(), 5)
+        await self.press(Qt.Key.Key_M, CTRL | shift)
+        await self.until("the monitor to show", w.monitor_dock.isVisible, 5)
+        await self.press(Qt.Key.Key_1, CTRL)  # View ▸ Focus Pane 1
+        await self.until("pane 1's box", lambda: QApplication.focusWidget()
+                         is w.panes[0].input, 5)
+        await self.shot("keyboard-only")
+
     async def relaunched(self) -> None:
         w = self.window
         state = json.loads((self.shots / "state.json").read_text())
@@ -425,6 +620,8 @@ class Driver:
         await self.send(p, "Thank you!")
         await self.idle(p)
         await self.shot("relaunched-and-answered")
+        await self.screen_reader_walk()
+        await self.keyboard_only()
         await self.quit_soon()
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QEvent, QObject, Qt, Signal
+from PySide6.QtGui import QGuiApplication, QPalette
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QToolButton, QWidget
 
 from app.core.attachments import Attachment, AttachmentError, prompt_content, read_attachment
@@ -24,9 +25,14 @@ from app.ui import icons
 
 
 def chips_html(attachments: list[Attachment], background: str) -> str:
-    """The chips shown on a sent message (rich text for its rendered document)."""
+    """The chips shown on a sent message (rich text for its rendered document). The paperclip
+    is drawn (icons.py), as on the composer's Attach button: the emoji it was showed a box
+    in fonts without one, as on most Linux desktops."""
+    color = QGuiApplication.palette().color(QPalette.ColorRole.Text).name()
+    clip = f'<img src="{icons.data_uri("paperclip", color, 12)}" width="12" height="12">'
     chips = " ".join(
-        f'<span style="background-color:{background};">&nbsp;📎 {_esc(a.name)}&nbsp;</span>'
+        f'<span style="background-color:{background};">&nbsp;{clip}&nbsp;{_esc(a.name)}'
+        "&nbsp;</span>"
         for a in attachments
     )
     return f"<p>{chips}</p>" if chips else ""
@@ -143,7 +149,7 @@ class AttachmentBar(QWidget):
         for i, a in enumerate(self.pending):
             chip = QToolButton(self)
             chip.setObjectName("attachmentChip")
-            chip.setText(f"{a.name}  ✕")
+            chip.setText(f"{a.name}  {icons.drawable('✕', 'x', chip.font())}")
             chip.setAccessibleName(f"Remove {a.name}")
             chip.setToolTip(f"{a.name}: {len(a.text):,} characters ({a.kind}). Click to remove.")
             chip.clicked.connect(lambda _c=False, i=i: self.remove(i))

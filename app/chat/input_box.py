@@ -7,7 +7,7 @@ chat app. Plain text only: pasted rich text is stripped.
 from __future__ import annotations
 
 from PySide6.QtCore import QMimeData, QSize, Qt, Signal
-from PySide6.QtGui import QKeyEvent
+from PySide6.QtGui import QKeyEvent, QResizeEvent
 from PySide6.QtWidgets import QPlainTextEdit, QSizePolicy, QWidget
 
 MAX_LINES = 8
@@ -49,9 +49,29 @@ class InputBox(QPlainTextEdit):
         if source.hasText():
             self.insertPlainText(source.text())
 
+    def wrapped_line_count(self) -> int:
+        """Lines the text takes at the box's present width, from the document's own layout
+        of every paragraph (its size lags a width change, as it lays out only what it shows:
+        a pane made narrower kept a box of the old height, its last line cut in half behind
+        a scroll bar)."""
+        doc = self.document()
+        layout = doc.documentLayout()
+        lines = 0
+        block = doc.begin()
+        while block.isValid():
+            layout.ensureBlockLayout(block)
+            lines += max(1, block.layout().lineCount())
+            block = block.next()
+        return max(1, lines)
+
+    def resizeEvent(self, event: QResizeEvent) -> None:
+        super().resizeEvent(event)
+        if event.oldSize().width() != event.size().width():
+            self._fit()  # the same text takes more or fewer lines now
+
     def _fit(self, *_args: object) -> None:
         line = self.fontMetrics().lineSpacing()
-        lines = max(1, min(MAX_LINES, int(self.document().size().height())))
+        lines = min(MAX_LINES, self.wrapped_line_count())
         margins = self.contentsMargins()
         doc_margin = self.document().documentMargin()
         h = int(lines * line + 2 * doc_margin + margins.top() + margins.bottom()) + 2

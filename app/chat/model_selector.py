@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.core.providers import LOCAL, model_ref
+from app.ui import icons
 
 
 class ModelSelector(QComboBox):
@@ -94,12 +95,17 @@ class ModelSelector(QComboBox):
             QStyle.ComplexControl.CC_ComboBox, opt, QStyle.SubControl.SC_ComboBoxEditField, self
         )
 
+    def display_text(self) -> str:
+        """The label as painted: wrapped at spaces only, so hyphens are made non-breaking
+        ("SmolLM2-135M-" / "Instruct" read as a word cut in two), where the font has one."""
+        return self.currentText().replace("-", icons.drawable("\u2011", "-", self.font()))
+
     def _lines_at(self, width: int) -> int:
         one = super().sizeHint().height()
         text_width = self._text_rect(width, one).width()
         flags = int(Qt.TextFlag.TextWordWrap)
         rect = self.fontMetrics().boundingRect(QRect(0, 0, max(1, text_width), 10_000), flags,
-                                               self.currentText())
+                                               self.display_text())
         return max(1, round(rect.height() / max(1, self.fontMetrics().lineSpacing())))
 
     def sizeHint(self) -> QSize:
@@ -121,13 +127,13 @@ class ModelSelector(QComboBox):
         """Whether a word of the label is wider than the room it has (the rest wraps)."""
         room = self._text_rect(self.width(), self.height()).width()
         fm = self.fontMetrics()
-        return any(fm.horizontalAdvance(word) > room for word in self.currentText().split())
+        return any(fm.horizontalAdvance(word) > room for word in self.display_text().split())
 
     def paintEvent(self, _event: QPaintEvent) -> None:
         p = QStylePainter(self)
         opt = QStyleOptionComboBox()
         self.initStyleOption(opt)
-        text, opt.currentText = opt.currentText, ""
+        text, opt.currentText = self.display_text(), ""
         p.drawComplexControl(QStyle.ComplexControl.CC_ComboBox, opt)
         p.drawControl(QStyle.ControlElement.CE_ComboBoxLabel, opt)  # the icon, if any
         rect = self._text_rect(self.width(), self.height())

@@ -365,8 +365,12 @@ class _hub_errors:
                        "download again.")
         elif isinstance(error, httpx2.ConnectError | httpx2.TimeoutException |
                         httpx2.NetworkError | httpx2.RemoteProtocolError):
-            message = (f"Hugging Face cannot be reached ({type(error).__name__}): check your "
-                       "network connection, then download again; what was fetched is kept.")
+            why = ("it took too long to answer" if isinstance(error, httpx2.TimeoutException)
+                   else "the connection broke off" if isinstance(
+                       error, httpx2.RemoteProtocolError | httpx2.ReadError)
+                   else "no connection")  # in words: an exception's class name is jargon
+            message = (f"Hugging Face cannot be reached ({why}): check your network "
+                       "connection, then download again; what was fetched is kept.")
         elif isinstance(error, HfHubHTTPError):
             status = error.response.status_code if error.response is not None else "?"
             message = (f"Hugging Face answered HTTP {status} while sending "

@@ -194,6 +194,9 @@ class FolderView(QListView):
         menu.exec(event.globalPos())
 
 
+NAME_DIALOG_WIDTH = 360  # px of name field: room for the title and a long folder name
+
+
 class FolderPanel(QWidget):
     """The folder list under a small header with a New Folder button. Creating, renaming and
     moving chats are done here (store writes); deleting, new chats and folder settings are
@@ -239,11 +242,22 @@ class FolderPanel(QWidget):
             self.view.folderChosen.emit(ALL)
 
     def new_folder(self) -> Folder | None:
-        from PySide6.QtWidgets import QInputDialog
+        from PySide6.QtWidgets import QInputDialog, QLineEdit
 
-        name, ok = QInputDialog.getText(self, "New Folder", "Folder name:")
-        name = name.strip()
-        if not ok or not name:
+        # QInputDialog.getText made a dialog narrower than its own title (the window manager
+        # cut it) with the platform's stock icons on its buttons
+        dialog = QInputDialog(self)
+        dialog.setWindowTitle("New Folder")
+        dialog.setLabelText("Name of the new folder:")
+        dialog.setOkButtonText("Create")
+        edit = dialog.findChild(QLineEdit)  # (the dialog's layout sets its own minimum)
+        if edit is not None:
+            edit.setMinimumWidth(NAME_DIALOG_WIDTH)
+        dialog.setAccessibleName("New folder")
+        if dialog.exec() != QInputDialog.DialogCode.Accepted:
+            return None
+        name = dialog.textValue().strip()
+        if not name:
             return None
         folder = self.store.create_folder(name)
         self.model.reload()

@@ -363,9 +363,12 @@ class Sidebar(QFrame):
         self.search.setPlaceholderText("Search chats")
         self.search.setAccessibleName("Search chats")
         self.search.setClearButtonEnabled(True)
-        self.search.addAction(
+        glyph = self.search.addAction(
             icons.icon("search", size=14), QLineEdit.ActionPosition.LeadingPosition
         )
+        glyph.setText("Search")  # its button's name and tooltip for screen readers
+        glyph.setToolTip("Search chat titles, messages and attached files (Ctrl+F)")
+        glyph.triggered.connect(lambda: self.search.setFocus())
         self.search.installEventFilter(self)
         layout.addWidget(self.search)
 

@@ -47,12 +47,14 @@ def session_tables(
     Dimming toward a dark background loses more legibility than toward a light one, so
     cached blocks keep more of their colour in the dark theme: there, every chat colour's
     cached cell is at least as far (CIE ΔE) from a free cell as in the light theme, and at
-    least 20 (tests/test_app_defects.py); at 0.5/0.68 the brown one was at 16.7.
+    least 20 (tests/test_app_defects.py); at 0.5/0.68 the brown one was at 16.7. In the
+    light theme too every cached cell is at least 20 from a free one (at 0.6/0.76 the brown
+    one was at 10.9 and the teal one at 16.7: cached blocks of those chats all but vanished).
     """
     full = np.array([*accents, neutral], dtype=np.uint32)
     pale = blend(full, empty, 0.62)
-    cached = blend(full, background, 0.4 if dark else 0.6)
-    hatch = blend(full, background, 0.6 if dark else 0.76)
+    cached = blend(full, background, 0.33 if dark else 0.38)
+    hatch = blend(full, background, 0.52 if dark else 0.56)
     return full, pale, cached, hatch
 
 

@@ -196,7 +196,7 @@ class CountersWidget(QWidget):
             value = QLabel("–")
             value.setObjectName("counterValue")
             value.setToolTip(tip)
-            value.setAccessibleName(label)
+            value.setAccessibleName(f"{label}: –")  # read with its value, as it is shown
             value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             self._names[key] = name
@@ -288,6 +288,9 @@ class CountersWidget(QWidget):
             label = self.values[key]
             if label.text() != text:
                 label.setText(text)
+                # a screen reader reads a named label by its name alone: name it with the
+                # value ("Used: 12 · 1.5 MiB"), not just "Used"
+                label.setAccessibleName(f"{self._names[key].text()}: {text}")
 
     def value(self, key: str) -> str:
         return self.values[key].text()

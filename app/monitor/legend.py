@@ -423,6 +423,7 @@ class LegendView(QTableView):
     def __init__(self, model: LegendModel, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("monitorLegend")
+        self.setTabKeyNavigation(False)  # Tab leaves the table (arrows move in it), no trap
         self.setAccessibleName("Chats in the KV pool")
         self.setAccessibleDescription(
             "One row per chat: colour, state, blocks held and shared, tokens, wasted slots, "

@@ -41,6 +41,7 @@ from app.monitor.key import MapKey
 from app.monitor.legend import LegendModel, LegendView
 from app.monitor.pool_state import PoolState
 from app.monitor.timeline import TimelineWidget
+from app.ui import icons
 
 WAITING, CONTENT, NOT_PAGED = range(3)
 MIN_SIDE = 64  # px: the panel's minimum width and height; narrower or shorter, it scrolls
@@ -152,6 +153,7 @@ class MonitorPanel(QWidget):
         # scrolled, so the panel's minimum size can be small (see minimumSizeHint)
         self.scroll = QScrollArea(self)
         self.scroll.setObjectName("monitorScroll")
+        self.scroll.setAccessibleName("KV monitor, scrollable")  # a Tab stop: arrows scroll it
         self.scroll.setFrameShape(QFrame.Shape.NoFrame)
         self.scroll.setWidgetResizable(True)
         self.scroll.setBackgroundRole(QPalette.ColorRole.Base)
@@ -174,7 +176,8 @@ class MonitorPanel(QWidget):
         self.zoom_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         self.zoom_label.setAccessibleName("Blocks per cell")
         head.addWidget(self.zoom_label)
-        self.zoom_out_button = self._tool("−", "Zoom out of the block map", "Zoom out (−)")
+        minus = icons.drawable("−", "-")  # a graceful substitute in a font without it
+        self.zoom_out_button = self._tool(minus, "Zoom out of the block map", f"Zoom out ({minus})")
         self.zoom_fit_button = self._tool("Fit", "Fit the whole pool", "Show every block (0)")
         self.zoom_in_button = self._tool("+", "Zoom into the block map", "Zoom in (+, Ctrl+wheel)")
         for b in (self.zoom_out_button, self.zoom_fit_button, self.zoom_in_button):

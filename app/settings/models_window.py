@@ -275,6 +275,12 @@ class ModelsWindow(QDialog):
         self.progress.setRange(0, PROGRESS_STEPS)
         self.progress.setValue(0)
         self.progress.setAccessibleName("Download progress")
+        # shown only while it has something to say (an idle "0%" read as a stuck download);
+        # its room is kept, so the window does not jump when a download starts
+        keep = self.progress.sizePolicy()
+        keep.setRetainSizeWhenHidden(True)
+        self.progress.setSizePolicy(keep)
+        self.progress.hide()
         inner.addWidget(self.progress)
         self.status = QLabel("")
         self.status.setObjectName("modelsStatus")
@@ -419,6 +425,7 @@ class ModelsWindow(QDialog):
             self.status.setText("Cancelling…")
 
     def _downloading(self, busy: bool) -> None:
+        self.progress.setVisible(busy or self.progress.value() > 0)
         self.download_button.setEnabled(not busy)
         self.cancel_button.setEnabled(busy)
         self.repo_edit.setReadOnly(busy)
@@ -430,8 +437,8 @@ class ModelsWindow(QDialog):
             self.status.setText(describe_progress(p))
 
     def _on_finished(self, folder: str) -> None:
-        self._downloading(False)
         self.progress.setValue(PROGRESS_STEPS)
+        self._downloading(False)
         repo = self.task.download.repo_id if self.task else folder
         self.status.setText(f"Downloaded {repo}: select it above and click Load.")
         self.refresh()

@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
 from app.core.providers import KEEP, ProviderRegistry
 from app.core.providers.client import check_connection, describe_error, list_models
 from app.core.secrets import SecretStoreError, secure_backend
+from app.ui import icons
 
 ID_ROLE = Qt.ItemDataRole.UserRole
 
@@ -204,7 +205,8 @@ class ProvidersPage(QWidget):
                 with contextlib.suppress(RuntimeError):  # the dialog closed meanwhile
                     if self.current_id() == p.id:
                         self._show_models(models)
-            self._set_result(("✓ " if ok else "✗ ") + text)
+            mark = icons.drawable("✓ ", "") if ok else icons.drawable("✗ ", "")
+            self._set_result(mark + text)
 
         self._start(run())
 

@@ -25,6 +25,11 @@ PALETTE: tuple[str, ...] = (
     "#A2845E",  # brown
 )
 
+# The API server's sessions ("API", "API · user": app/server/routes.py's SESSION_PREFIX) have
+# a colour no chat gets (it hashed into the chats' palette, so a request looked like a chat).
+API_PREFIX = "API"
+API_COLOR = "#B8A200"  # olive gold: between the palette's orange and green, unlike both
+
 _assigned: dict[str, int] = {}
 
 
@@ -50,6 +55,13 @@ def color_index(session_id: str) -> int:
     return zlib.crc32(session_id.encode("utf-8")) % len(PALETTE)
 
 
+def is_api_session(session_id: str) -> bool:
+    return session_id == API_PREFIX or session_id.startswith(f"{API_PREFIX} · ")
+
+
 def accent_color(session_id: str) -> QColor:
-    """The accent colour of a chat (a new QColor each call, safe to modify)."""
+    """The accent colour of a chat (a new QColor each call, safe to modify); the API server's
+    sessions share one of their own."""
+    if is_api_session(session_id) and session_id not in _assigned:
+        return QColor(API_COLOR)
     return QColor(PALETTE[color_index(session_id)])

@@ -7,10 +7,21 @@ so icons stay legible in light and dark mode.
 
 from __future__ import annotations
 
+import base64
 from functools import lru_cache
 
-from PySide6.QtCore import QByteArray, QRectF, QSize, Qt
-from PySide6.QtGui import QColor, QGuiApplication, QIcon, QImage, QPainter, QPalette, QPixmap
+from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QRectF, QSize, Qt
+from PySide6.QtGui import (
+    QColor,
+    QFont,
+    QFontMetrics,
+    QGuiApplication,
+    QIcon,
+    QImage,
+    QPainter,
+    QPalette,
+    QPixmap,
+)
 from PySide6.QtSvg import QSvgRenderer
 
 _STROKE = (
@@ -106,3 +117,22 @@ def icon(name: str, color: QColor | str | None = None, size: int = 18) -> QIcon:
 
 def icon_size(size: int = 18) -> QSize:
     return QSize(size, size)
+
+
+@lru_cache(maxsize=64)
+def data_uri(name: str, color: str, size: int, dpr: float = 2.0) -> str:
+    """The glyph as a PNG data: URI, for rich text (a sent message's attachment chips): drawn
+    like the buttons' icons, so it shows in every font (an emoji showed a box in most)."""
+    ba = QByteArray()
+    buffer = QBuffer(ba)
+    buffer.open(QIODevice.OpenModeFlag.WriteOnly)
+    pixmap(name, color, size, dpr).toImage().save(buffer, "PNG")
+    buffer.close()
+    return "data:image/png;base64," + base64.b64encode(bytes(ba)).decode("ascii")
+
+
+def drawable(text: str, fallback: str, font: QFont | None = None) -> str:
+    """`text` if the font (the application's unless given) has every character of it, else
+    `fallback`: a graceful substitute ("x" for "✕") instead of a box."""
+    fm = QFontMetrics(font if font is not None else QGuiApplication.font())
+    return text if all(fm.inFontUcs4(ord(ch)) for ch in text) else fallback

@@ -116,7 +116,21 @@ ACTIONS: tuple[ActionSpec, ...] = (
                    menu=("&View/&Theme", 0), checkable=True, exclusive="theme")
         for value, label in THEMES
     ),
+    ActionSpec("shortcuts", "&Keyboard Shortcuts", "show_shortcuts", shortcut=("Ctrl+/",),
+               tip="Every keyboard shortcut, by menu", menu=("&Help", 0)),
     ActionSpec("about", "&About PagedChat", "about", menu=("&Help", 0), role=Role.AboutRole),
+)
+
+# Keys that belong to a widget rather than to a window command (so they are no QAction):
+# listed in Help ▸ Keyboard Shortcuts after the commands. (where, what, keys)
+KEYS_IN_PLACE: tuple[tuple[str, str, str], ...] = (
+    ("Message box", "Send", "Enter"),
+    ("Message box", "New line", "Shift+Enter"),
+    ("Message box", "Stop the reply, or cancel an edit", "Esc"),
+    ("Everywhere", "Next / previous control", "Tab / Shift+Tab"),
+    ("Chat list", "Open the chat / rename it", "Enter / F2"),
+    ("Search", "Open the first hit / move into the hits / clear", "Enter / Down / Esc"),
+    ("KV monitor", "Zoom the block map", "Ctrl+wheel, + / −"),
 )
 
 # The toolbar after the model button, left to right; None is the stretch between the sides.
@@ -203,6 +217,22 @@ def _menu(window: QMainWindow, menus: dict[str, QMenu], path: str) -> QMenu:
         parent, _, name = path.rpartition("/")
         menus[path] = (_menu(window, menus, parent) if parent else window.menuBar()).addMenu(name)
     return menus[path]
+
+
+def shortcut_rows(actions: dict[str, QAction],
+                  specs: Sequence[ActionSpec] = ACTIONS) -> list[tuple[str, str, str]]:
+    """(menu, command, keys) for every action that has keys, in menu order, with the keys
+    the action really has now (as this platform writes them); then KEYS_IN_PLACE."""
+    rows = []
+    for spec in specs:
+        a = actions[spec.key]
+        keys = ", ".join(s.toString(QKeySequence.SequenceFormat.NativeText)
+                         for s in a.shortcuts())
+        if not keys:
+            continue
+        menu = (spec.menu[0] if spec.menu else "Window").replace("&", "").replace("/", " ▸ ")
+        rows.append((menu, a.text().replace("&", ""), keys))
+    return rows + [(f"In place: {where}", what, keys) for where, what, keys in KEYS_IN_PLACE]
 
 
 def refresh_icons(actions: dict[str, QAction]) -> None:

@@ -24,8 +24,35 @@ from app.ui import icons
 from engine import EngineStatus
 
 
+class LoadingIndicator(QWidget):
+    """"Loading <model>…" with a busy bar, in the status bar: loading is no action for the
+    user, and a banner above the panes that went away when it ended moved every pane up."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("loadingIndicator")
+        self.setAccessibleName("Model loading")
+        h = QHBoxLayout(self)
+        h.setContentsMargins(0, 0, 0, 0)
+        self.label = QLabel()
+        self.label.setAccessibleName("Model loading status")
+        h.addWidget(self.label)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 0)  # busy indicator: loading reports no fraction
+        self.progress.setFixedSize(90, 8)  # no taller than the status bar's text
+        self.progress.setTextVisible(False)
+        self.progress.setAccessibleName("Model loading progress")
+        h.addWidget(self.progress)
+        self.hide()
+
+    def show_loading(self, model: str) -> None:
+        self.label.setText(f"Loading {model}…")
+        self.show()
+
+
 class EngineBanner(QFrame):
-    """Loading progress or a load error, above the panes."""
+    """A load error, above the panes, with Retry and Settings (loading itself shows in the
+    status bar, `loading`, which the window places there)."""
 
     settingsRequested = Signal()
     retryRequested = Signal()
@@ -41,12 +68,6 @@ class EngineBanner(QFrame):
         self.label.setWordWrap(True)
         self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         h.addWidget(self.label, 1)
-        self.progress = QProgressBar()
-        self.progress.setRange(0, 0)  # busy indicator: loading reports no fraction
-        self.progress.setFixedWidth(140)
-        self.progress.setTextVisible(False)
-        self.progress.setAccessibleName("Model loading")
-        h.addWidget(self.progress)
         self.retry = QPushButton("Retry")
         self.retry.setAccessibleName("Retry loading the model")
         self.retry.clicked.connect(self.retryRequested)
@@ -55,6 +76,7 @@ class EngineBanner(QFrame):
         self.settings.setAccessibleName("Open model settings")
         self.settings.clicked.connect(self.settingsRequested)
         h.addWidget(self.settings)
+        self.loading = LoadingIndicator()
 
     def show_status(self, status: str, model: str, error: str | None) -> None:
         """Loading (also before the engine starts), hidden when ready, the error on failure."""
@@ -62,22 +84,18 @@ class EngineBanner(QFrame):
             self.show_loading(model)
         elif status == EngineStatus.READY:
             self.hide()
+            self.loading.hide()
         elif status == EngineStatus.ERROR:
             self.show_error(error or "unknown error")
 
     def show_loading(self, model: str) -> None:
-        self.setProperty("kind", "loading")
-        self.label.setText(f"Loading {model}…")
-        self.progress.show()
-        self.retry.hide()
-        self.settings.hide()
-        self._repolish()
-        self.show()
+        self.hide()
+        self.loading.show_loading(model)
 
     def show_error(self, message: str) -> None:
+        self.loading.hide()
         self.setProperty("kind", "error")
         self.label.setText(f"The model could not be loaded: {message}")
-        self.progress.hide()
         self.retry.show()
         self.settings.show()
         self._repolish()
@@ -154,11 +172,18 @@ class ModelButton(QToolButton):
         super().__init__(parent)
         self.setObjectName("modelButton")
         self.setAccessibleName("Model")
+        self.setToolTip("The model: click for its settings")  # richer once it is loaded
         self.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
         self.refresh_icon()
 
     def refresh_icon(self) -> None:
         self.setIcon(icons.icon("chip"))
+
+    def setText(self, text: str) -> None:  # noqa: N802 (Qt's name)
+        """Never narrower than it has been: "… · loading…" turning into the shorter name moved
+        every toolbar button after it to the left when loading ended."""
+        super().setText(text)
+        self.setMinimumWidth(max(self.minimumWidth(), self.sizeHint().width()))
 
     def show_status(self, status: str, name: str, info: Any) -> None:
         """`name` is the settings' label; once ready the engine's ModelInfo names the model."""

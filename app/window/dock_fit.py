@@ -12,6 +12,10 @@ window and the panes were left one word wide. Here:
 - the sidebar steps aside when the panes would get less than `PANE_ROOM` px each (four panes
   and the monitor at 1280 px: 153 px panes cut every title to "What i…"), with a hint, and
   comes back when there is room again, unless the user showed or hid it meanwhile.
+
+Each decision is a function of the window's width, the number of panes and the user's own
+choices, never of the sizes the window went through: a window made small and large again
+is laid out as it was.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ HINT = "The KV monitor is hidden to make room: Monitor (Ctrl+Shift+M) shows it."
 SIDEBAR_HINT = "The sidebar is hidden to make room for the panes: Ctrl+Shift+S shows it."
 HIDE_BELOW = 1000  # window width (px) under which the monitor steps aside
 MAX_SHARE = 0.34  # of the window's width, for a docked (right-hand) monitor
-CROWDED_SHARE = 0.24  # the monitor's share while the panes are short of room
+CROWDED_SHARE = 0.27  # the monitor's share while the panes are short of room
 PANE_ROOM = 230  # px a pane needs for its header to show a title and the model unelided
 
 
@@ -111,23 +115,36 @@ class DockFitter(QObject):
     def _pane_count(self) -> int:
         return max(1, len(getattr(self.window, "panes", ())))
 
+    def _natural_width(self) -> int:
+        """The monitor's width when the panes have room: its own (before any cap), capped."""
+        own = self.preferred_width or self.dock.width()
+        return min(own, self._cap_width(crowded=False))
+
     def _docked_width(self) -> int:
+        """What the docked monitor takes from the panes when they are short of room."""
         d = self.dock
         if d.isFloating() or not d.isVisible():
             return 0
-        return min(d.width(), self._cap_width(crowded=True))
+        return min(self._natural_width(), self._cap_width(crowded=True))
+
+    def _sidebar_width(self) -> int:
+        """Its width when shown (a hidden widget's own width says nothing: a splitter may
+        have squeezed it, and then it looked as if showing it cost no room)."""
+        if self.sidebar.isVisible():
+            self._shown_sidebar_width = self.sidebar.width()
+        return getattr(self, "_shown_sidebar_width", None) or self.sidebar.sizeHint().width()
 
     def _fit_sidebar(self) -> None:
         bar = self.sidebar
         if bar is None:
             return
         need = self._pane_count() * PANE_ROOM
-        room = self.window.width() - self._docked_width()
-        if bar.isVisible() and not self.sidebar_pinned and room - bar.width() < need:
+        room = self.window.width() - self._docked_width() - self._sidebar_width()
+        if bar.isVisible() and not self.sidebar_pinned and room < need:
             self.sidebar_auto_hidden = True
             self.window.toggle_sidebar(False, by_user=False)
             self.window.statusBar().showMessage(SIDEBAR_HINT, 8000)
-        elif self.sidebar_auto_hidden and room - bar.width() >= need:
+        elif self.sidebar_auto_hidden and room >= need:
             self.sidebar_auto_hidden = False
             self.window.toggle_sidebar(True, by_user=False)
             if self.window.statusBar().currentMessage() == SIDEBAR_HINT:
@@ -136,7 +153,11 @@ class DockFitter(QObject):
     # ---- the monitor's width -------------------------------------------------------------
 
     def _crowded(self) -> bool:
-        return self.window.width() < self._pane_count() * PANE_ROOM + self.dock.width()
+        """Whether the panes get less than PANE_ROOM each beside the monitor's own width."""
+        sidebar = self._sidebar_width() if self.sidebar is not None and \
+            self.sidebar.isVisible() else 0
+        return self.window.width() - self._natural_width() - sidebar < \
+            self._pane_count() * PANE_ROOM
 
     def _cap_width(self, crowded: bool | None = None) -> int:
         crowded = self._crowded() if crowded is None else crowded

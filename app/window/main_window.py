@@ -16,6 +16,7 @@ from typing import Any
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QCloseEvent, QColor
 from PySide6.QtWidgets import (
+    QAbstractButton,
     QApplication,
     QMainWindow,
     QMessageBox,
@@ -39,11 +40,12 @@ from app.ui import colors
 from app.ui.confirm import confirm_destructive
 from app.ui.qt_util import from_b64, to_b64
 from app.ui.theme import theme_manager
-from app.window.actions import THEMES, build_actions, build_toolbar, refresh_icons
+from app.window.actions import THEMES, build_actions, build_toolbar, refresh_icons, shortcut_rows
 from app.window.banners import CompareBar, EngineBanner, ModelButton, PoolLabel, SpeedBanner
 from app.window.dock_fit import DockFitter
 from app.window.pane_deck import MAX_PANES, PaneDeck
 from app.window.server_panel import ServerPanel
+from app.window.shortcuts_dialog import ShortcutsDialog
 from app.window.storage_banner import attach_storage_banner
 
 LAYOUT_KEY = "window_layout"
@@ -128,8 +130,14 @@ class MainWindow(QMainWindow):
 
         self.monitor_dock = create_monitor_dock(self.bridge, self, self)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.monitor_dock)
+        for button, tip in (("qt_dockwidget_floatbutton", "Float the KV monitor in a window"),
+                            ("qt_dockwidget_closebutton", "Hide the KV monitor (Ctrl+Shift+M)")):
+            b = self.monitor_dock.findChild(QAbstractButton, button)
+            if b is not None:  # Qt's own title-bar buttons: a name but no tooltip
+                b.setToolTip(tip)
 
         self.pool_label = PoolLabel()
+        self.statusBar().addPermanentWidget(self.banner.loading)
         self.statusBar().addPermanentWidget(self.pool_label)
         self.statusBar().setSizeGripEnabled(False)
         self.resize(1380, 860)
@@ -160,6 +168,15 @@ class MainWindow(QMainWindow):
         self.deck.branchRequested.connect(self.branch)
         self.deck.chatHovered.connect(self.chatHovered)
         self.deck.notice.connect(lambda text: self.statusBar().showMessage(text, 5000))
+        self.deck.countChanged.connect(lambda _n: self._name_grips())
+        self._name_grips()
+
+    def _name_grips(self) -> None:
+        """Splitter handles are dragged, so screen readers list them: say what they resize."""
+        for splitter, name in ((self.main_splitter, "Resize the sidebar"),
+                               (self.pane_splitter, "Resize the panes")):
+            for i in range(1, splitter.count()):
+                splitter.handle(i).setAccessibleName(name)
 
     # ---- the chats, as the monitor sees them ----------------------------------------------
 
@@ -345,6 +362,12 @@ class MainWindow(QMainWindow):
         fitter = getattr(self, "dock_fitter", None)  # (made after the layout is restored)
         if by_user and fitter is not None:
             fitter.sidebar_set_by_user(on)
+
+    def show_shortcuts(self) -> None:
+        """Help ▸ Keyboard Shortcuts, read off this window's actions as they are now."""
+        dialog = ShortcutsDialog(shortcut_rows(self.actions_by_key), self)
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dialog.open()  # window-modal, no nested event loop
 
     def about(self) -> None:
         QMessageBox.about(

@@ -144,7 +144,16 @@ class ServerPanel(QObject):
             bar.insertMenu(help_menu, self.menu)
         else:
             bar.addMenu(self.menu)
-        self.window.statusBar().addPermanentWidget(self.status)
+        status_bar = self.window.statusBar()
+        status_bar.addPermanentWidget(self.status)
+        # the bar is as tall from launch as with the Copy Key button in it: it grew 8 px when
+        # the server started, and the whole window above it moved
+        shown = [w for w in status_bar.findChildren(
+            QWidget, options=Qt.FindChildOption.FindDirectChildrenOnly) if not w.isHidden()]
+        tallest = max((w.sizeHint().height() for w in shown), default=0)
+        margins = status_bar.sizeHint().height() - tallest
+        button = self.status.copy_key.sizeHint().height()
+        status_bar.setMinimumHeight(margins + max(button, self.status.sizeHint().height()))
         if self.settings.start_at_launch:
             self.toggle.setChecked(True)
 

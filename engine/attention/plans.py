@@ -37,7 +37,7 @@ _HEADER_MARKER = "// ==== header ===="
 def shaders_root() -> Path:
     """The folder holding ``shaders/``: the project root from source; ``sys._MEIPASS`` in a
     PyInstaller bundle (packaging/pagedchat.spec ships ``shaders/`` there as data; the app's
-    own files use the same rule through app/resources.py, which the engine must not import)."""
+    own files use the same rule through app/ui/resources.py, which the engine must not import)."""
     base = getattr(sys, "_MEIPASS", None) if getattr(sys, "frozen", False) else None
     return Path(base) if base else Path(__file__).resolve().parents[2]  # engine/attention/plans.py
 

@@ -108,7 +108,8 @@ def describe_error(exc: BaseException, provider: Provider, model: str = "",
     elif isinstance(exc, ValueError):  # json.JSONDecodeError and the like
         msg = f"{where} sent an answer that is not valid JSON; is it an OpenAI-compatible server?"
     else:
-        msg = f"Talking to {where} failed: {type(exc).__name__}: {exc}"
+        # the exception's words, never its class name ("ConnectError" is jargon)
+        msg = f"Talking to {where} failed: {str(exc).strip() or 'an unexpected error'}"
     return scrub(msg.strip(), key)
 
 
