@@ -337,6 +337,11 @@ class Driver:
         await self.act(lambda: w.resize(1280, 800))
         await self.until("1280x800", lambda: (w.width(), w.height()) == (1280, 800), 20, size)
         sizes_before = await self.side_sizes()
+        # through a size where the monitor is capped to a share of the window (it came back
+        # from there at the capped width) and one where it steps aside
+        await self.act(lambda: w.resize(1100, 700))
+        await self.until("1100x700", lambda: (w.width(), w.height()) == (1100, 700), 20, size)
+        await self.settled_geometries()
         await self.act(lambda: w.resize(800, 600))
         await self.until("800x600", lambda: (w.width(), w.height()) == (800, 600), 20, size)
         await self.until("the monitor to step aside", lambda: not w.monitor_dock.isVisible(), 20)
