@@ -201,9 +201,12 @@ class EngineBridge(QObject):
     # ---- requests ------------------------------------------------------------------------
 
     def submit(
-        self, messages: list[dict[str, str]], params: SamplingParams, session_id: str
+        self, messages: list[dict[str, str]], params: SamplingParams, session_id: str,
+        priority: Priority = Priority.INTERACTIVE,
     ) -> str:
-        """Submit a chat request; returns its request id. Never blocks.
+        """Submit a chat request; returns its request id. Never blocks. A message the user
+        sends goes first (INTERACTIVE, the default); work the app does on its own (titles)
+        passes BACKGROUND.
 
         Raises ValueError for a request the engine refuses (e.g. no messages) and
         RuntimeError when no model is loaded, each with a message fit for the user.
@@ -214,8 +217,8 @@ class EngineBridge(QObject):
             raise RuntimeError(f"No model is loaded: {reason}")
         # The chat the user just sent in goes first, focused or not (send to all).
         handle = engine.submit(messages=messages, params=params, session_id=session_id,
-                               priority=Priority.INTERACTIVE)
-        self._priority[session_id] = Priority.INTERACTIVE
+                               priority=priority)
+        self._priority[session_id] = priority
         self._handles[handle.request_id] = handle
         self._sessions[handle.request_id] = session_id
         self._spawn(self._pump(handle, session_id, params.n))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from app.core.session_logic import (
     prompt_messages,
     status_for,
     title_from,
+    unique_title,
     usage_dict,
 )
 from app.core.tree import MessageTree
@@ -62,6 +64,8 @@ class ChatSession(QObject):
         self._quitting = False
         self.context_tokens: int | None = None
         self.last_usage: dict[str, Any] = {}
+        self._auto_title: str | None = None  # the title the app gave it, until a user's rename
+        self.sent_at = 0.0  # time.time() of the last request sent (the monitor's "waiting")
         self._count_task: asyncio.Future | None = None
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(SAVE_INTERVAL_MS)
@@ -144,7 +148,10 @@ class ChatSession(QObject):
         user = self._new_message(parent, "user", text, Status.COMPLETE, meta)
         self._reply(user.id, n=1)
         if self.title == DEFAULT_TITLE:  # after the reply is on the path: the chat has begun
-            self.rename(title_from(text or attachments[0].name))
+            title = title_from(text or attachments[0].name)
+            if self.manager is not None:
+                title = self.manager.unique_title(title, self.id)
+            self.rename(title, by_user=False)
         return True
 
     def send_parent(self) -> str | None:
@@ -236,8 +243,15 @@ class ChatSession(QObject):
         else:
             self.bridge.cancel(request_id)
 
-    def rename(self, title: str) -> None:
+    @property
+    def title_is_automatic(self) -> bool:
+        """The title is still the one the app gave it (the first message's, or the model's
+        name for the chat): a generated title may replace it, never a user's rename."""
+        return self._auto_title is not None and self._auto_title == self.title
+
+    def rename(self, title: str, by_user: bool = True) -> None:
         title = title.strip() or DEFAULT_TITLE
+        self._auto_title = None if by_user else title
         self.conversation.title = title
         self.store.rename_conversation(self.id, title)
         self.titleChanged.emit(title)
@@ -294,6 +308,7 @@ class ChatSession(QObject):
             self.notice.emit(str(exc))
             return False
         self._requests[rid] = [r.id for r in replies]
+        self.sent_at = time.time()
         self._save_timer.start()
         self.busyChanged.emit(True)
         return True
@@ -497,6 +512,11 @@ class SessionManager(QObject):
         else:
             self.store.rename_conversation(conversation_id, title.strip() or DEFAULT_TITLE)
             self.conversationsChanged.emit()
+
+    def unique_title(self, title: str, session_id: str) -> str:
+        """`title`, numbered when another chat has it already (app/core/session_logic.py)."""
+        taken = (c.title for c in self.store.list_conversations() if c.id != session_id)
+        return unique_title(title, taken)
 
     def latest_or_new(self) -> ChatSession | None:
         """The most recently updated chat, or a new one when there is none."""

@@ -8,7 +8,9 @@ front end.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from app.core.attachments import from_meta, prompt_content
@@ -23,6 +25,42 @@ def title_from(text: str) -> str:
     """A chat title from its first message: one line, cut at TITLE_LENGTH."""
     line = " ".join(text.strip().split())
     return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
+
+
+TITLE_REQUEST = ("Give this conversation a short title of 2 to 5 words. Reply with the "
+                 "title only.")
+_LIST_MARK = re.compile(r"^(\d+[.)]|[-*#>•]+)\s*")
+_LABEL = re.compile(r"^(title|chat title|conversation title)\s*:\s*", re.IGNORECASE)
+
+
+def title_prompt(user_text: str, reply_text: str) -> list[dict[str, str]]:
+    """What the model is asked to name a chat with: its first exchange, then the request (a
+    135M model follows this shape better than a description of the chat in one message)."""
+    return [{"role": "user", "content": user_text[:1500]},
+            {"role": "assistant", "content": reply_text[:1500]},
+            {"role": "user", "content": TITLE_REQUEST}]
+
+
+def clean_title(text: str) -> str | None:
+    """A title from a model's answer (its first line, without a list mark, a "Title:" label,
+    quotes or a final full stop), or None when nothing usable is left."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    line = _LABEL.sub("", _LIST_MARK.sub("", line))
+    line = line.strip(" \"'`*_“”‘’").rstrip(" .,:;!").strip(" \"'`*_“”‘’")
+    if not line or len(line) > 2 * TITLE_LENGTH:
+        return None
+    return title_from(line)
+
+
+def unique_title(title: str, taken: Iterable[str]) -> str:
+    """`title`, or `title 2`, `title 3`, ... when another chat already has it, so chats with
+    the same first message are told apart in the sidebar."""
+    taken = set(taken)
+    n = 2
+    candidate = title
+    while candidate in taken:
+        candidate, n = f"{title} {n}", n + 1
+    return candidate
 
 
 _STATUS_OF = {FinishReason.STOP: Status.COMPLETE, FinishReason.LENGTH: Status.LENGTH}

@@ -36,6 +36,10 @@ class Chats(Protocol):
         """Rows for chats talking to a remote provider (state "remote", no blocks), by
         session id; their fields are SessionStats'. Optional: absent means none."""
 
+    def queued_sessions(self) -> dict[str, float]:
+        """Chats that asked the engine for a reply, by session id, with the time.time() of
+        the request: shown "waiting" until a snapshot newer than it has them. Optional."""
+
 
 class NoChats(QObject):
     """The Chats of a monitor shown without the app (never hovers, never focuses)."""

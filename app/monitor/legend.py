@@ -8,6 +8,7 @@ or hovered so the panel can highlight its blocks and focus its pane.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from PySide6.QtWidgets import (
 
 from app.core.rates import fmt_rate, shown_rate
 from app.ui import colors
+from engine import SequenceState, SessionStats
 
 Index = QModelIndex | QPersistentModelIndex
 MIN_ROWS, MAX_ROWS = 3, 6
@@ -59,6 +61,11 @@ STATE_TIPS = {
 def _live(row: Row) -> bool:
     """The chat has a request in the engine (its priority means something now)."""
     return row.state in ("waiting", "prefilling", "decoding", "preempted")
+
+
+def _queued_stats(session_id: str) -> SessionStats:
+    """A row for a chat whose first request the engine has not taken in yet."""
+    return SessionStats(session_id, SequenceState.WAITING, 0, 0, 0, 0, 0.0, 1)
 
 
 @dataclass(frozen=True)
@@ -152,12 +159,24 @@ class LegendModel(QAbstractTableModel):
     # ---- updates ---------------------------------------------------------------------------
 
     def update_from(self, snap: Any, name: Callable[[str], str],
-                    remote: dict[str, Any] | None = None) -> None:
+                    remote: dict[str, Any] | None = None,
+                    queued: dict[str, float] | None = None) -> None:
         """Bring the rows in line with `snap.sessions` (and the remote chats' rows, which
-        hold no blocks) with minimal model signals."""
+        hold no blocks) with minimal model signals. `queued`: chats the app has asked for a
+        reply, and when (time.time()); one that a snapshot older than its request shows
+        finished, or not at all, is waiting: its request sits in the engine's inbox while a
+        long step runs (it showed "idle", issue 25)."""
         sessions = dict(snap.sessions) if snap is not None else {}
         for sid, stats in (remote or {}).items():
             sessions.setdefault(sid, stats)
+        taken_at = getattr(snap, "time", 0.0) if snap is not None else 0.0
+        for sid, sent_at in (queued or {}).items():
+            stats = sessions.get(sid)
+            if stats is None:
+                sessions[sid] = _queued_stats(sid)
+            elif str(getattr(stats.state, "value", stats.state)) == "finished" \
+                    and taken_at < sent_at:
+                sessions[sid] = dataclasses.replace(stats, state="waiting", tokens_per_s=0.0)
         for i in range(len(self._rows) - 1, -1, -1):
             if self._rows[i].session_id not in sessions:
                 self.beginRemoveRows(QModelIndex(), i, i)

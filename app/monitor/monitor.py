@@ -312,7 +312,9 @@ class MonitorPanel(QWidget):
             if described != self.block_map.accessibleDescription():
                 self.block_map.setAccessibleDescription(described)
         remote = getattr(self.chats, "remote_sessions", None)
-        self.legend_model.update_from(snap, self.title, remote() if remote else None)
+        queued = getattr(self.chats, "queued_sessions", None)
+        self.legend_model.update_from(snap, self.title, remote() if remote else None,
+                                      queued() if queued else None)
 
     def showEvent(self, event: Any) -> None:
         super().showEvent(event)

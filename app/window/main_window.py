@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
 from app.bridges.remote_bridge import RemoteBridge
 from app.chat.pane import ChatPane
 from app.chat.session import ChatSession, SessionManager
+from app.chat.titler import ChatTitler
 from app.core import openblas
 from app.core.app_settings import AppSettings
 from app.core.providers import ProviderRegistry
@@ -73,6 +74,7 @@ class MainWindow(QMainWindow):
         self.models_window: Any = None  # the Models window, made on first use (settings_flow)
         self.remote = RemoteBridge(self.registry, self)
         self.manager = SessionManager(store, bridge, self, remote=self.remote)
+        self.titler = ChatTitler(self.manager, bridge, self)  # titles by the model
         self.settings_flow = SettingsFlow(self)
         self.library_flow = LibraryFlow(self)
         self.settings_flow.apply_default_chat_settings()
@@ -181,11 +183,21 @@ class MainWindow(QMainWindow):
     # ---- the chats, as the monitor sees them ----------------------------------------------
 
     def chat_title(self, session_id: str) -> str | None:
+        chat = ChatTitler.chat_of(session_id)
+        if chat is not None:  # the request that names a chat (app/chat/titler.py)
+            named = self.chat_title(chat)
+            return f"Title for {named}" if named else None
         session = self.manager.sessions.get(session_id)
         return session.title if session is not None else None
 
     def chat_color(self, session_id: str) -> QColor:
-        return colors.accent_color(session_id)
+        return colors.accent_color(ChatTitler.chat_of(session_id) or session_id)
+
+    def queued_sessions(self) -> dict[str, float]:
+        """Local chats with a reply asked for, by session id, and when (time.time()): the
+        monitor shows them "waiting" until the engine's snapshot has taken them in."""
+        return {sid: s.sent_at for sid, s in self.manager.sessions.items()
+                if s.busy and not s.is_remote}
 
     def focus_chat(self, session_id: str) -> bool:
         return self.deck.focus_chat(session_id)
