@@ -11,6 +11,7 @@ from PySide6.QtWidgets import QMessageBox
 from app.core.records import Status
 from tests.app_helpers import WAIT_MS, greedy, last_reply, open_window, wait_idle
 from tests.gui_helpers import click_button, when_modal
+from tests.ui_checks import settled_geometries
 
 pytestmark = pytest.mark.model
 
@@ -89,6 +90,9 @@ def test_streaming_in_four_panes_never_changes_a_width(harness, qtbot):
     for p in w.panes:
         p.session.set_settings(greedy(48))
     qtbot.waitUntil(lambda: w.monitor_dock.isVisible())
+    # The layout makes room for four panes over a few event-loop turns (the sidebar steps
+    # aside, the monitor takes its share): measure once it has settled, then stream.
+    settled_geometries(qtbot, w)
     before = (w.width(), [p.width() for p in w.panes], w.monitor_dock.width())
     assert before[0] == 1280
     seen = []

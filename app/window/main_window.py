@@ -230,7 +230,9 @@ class MainWindow(QMainWindow):
 
     def _pane_focused(self, pane: ChatPane) -> None:
         # The chat in front of the user goes first; the other panes' chats yield (§3.3).
-        self.bridge.set_focus(pane.session.id if pane.session is not None else None)
+        session = pane.session
+        local = session is not None and not session.is_remote
+        self.bridge.set_focus(session.id if local else None)
         if pane.session is not None:
             self.sidebar.select(pane.session.id)
             self.setWindowTitle(f"{pane.session.title} — {APP_NAME}")

@@ -166,9 +166,11 @@ class Telemetry:
             self._sessions.popitem(last=False)
 
     def set_priority(self, session_id: str, priority: int) -> None:
-        """The priority the app last set for a chat, shown while it runs nothing."""
-        self._touch(session_id)
-        self._sessions[session_id] = int(priority)
+        """The priority the app last set for a chat, shown while it runs nothing. A chat
+        the engine does not show (never seen, or forgotten by ``cancel_session``) is not
+        brought back by it."""
+        if session_id in self._sessions:
+            self._sessions[session_id] = int(priority)
 
     def forget_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
