@@ -262,6 +262,7 @@ class Driver:
             raise StepFailed(f"streaming changed the window width {width} -> {w.width()}")
         await self.shot("send-to-all-done")
         await self.click(send_all)  # the bar closes again
+        await self.input_that_cannot_hurt(p1, send_all)
 
         await self.click(p1.input)
         await self.send(p1, LONG_PROMPT)
@@ -372,6 +373,45 @@ class Driver:
         }
         (self.shots / "state.json").write_text(json.dumps(state))
         await self.quit_soon()
+
+    async def input_that_cannot_hurt(self, p1: Any, send_all: Any) -> None:
+        """Issue 25 item 3 the way a user meets it: Send to All with a draft already typed,
+        a double click on Send, and Esc from the message list."""
+        w = self.window
+        await self.click(p1.input)
+        await self.type_into(p1.input, "Name a river.")
+        await self.click(send_all)
+        await self.until("the typed draft to go out", lambda: not p1.input.toPlainText(), 30)
+        if p1.input.toPlainText() or w.compare_bar.isVisible():
+            raise StepFailed("Send to All left the draft behind or opened an empty bar")
+        await self.idle(*w.panes)
+        if [p.session.active_path()[-2].content for p in w.panes] != ["Name a river."] * 4:
+            raise StepFailed("the draft did not reach all four panes")
+        await self.shot("send-to-all-the-draft")
+
+        await self.type_into(p1.input, "Say hello.")
+        button = p1.send_button
+        pos = button.mapTo(w, button.rect().center())
+        # a double click as the window system delivers it: the second click lands on Stop
+        await self.act(lambda: QTest.mouseDClick(w.windowHandle(), Qt.MouseButton.LeftButton,
+                                                 Qt.KeyboardModifier.NoModifier, pos))
+        await self.until("the reply to start", lambda: p1.session.busy or self.reply(p1).content)
+        await self.idle(p1)
+        if self.reply(p1).status == "stopped" or not self.reply(p1).content:
+            raise StepFailed(f"a double click on Send left the reply {self.reply(p1).status}")
+        await self.shot("double-click-on-send")
+
+        await self.send(p1, LONG_PROMPT)
+        await self.until("streamed text", lambda: len(self.reply(p1).content) > 20)
+        view = p1.view
+        await self.activate()  # no window manager under Xvfb: activate as a user's click does
+        await self.click(view.viewport(), view.viewport().rect().center())  # on the messages
+        await self.until("the message list to take the focus", view.hasFocus, 10)
+        await self.key(view, Qt.Key.Key_Escape)
+        await self.idle(p1)
+        if self.reply(p1).status != "stopped":
+            raise StepFailed(f"Esc in the message list left the reply {self.reply(p1).status}")
+        await self.shot("esc-from-the-message-list")
 
     async def hover_readouts(self, pane: Any) -> None:
         """Item 7 on a real X server: a message action's tooltip stays while the pointer
