@@ -17,6 +17,20 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture
+def restores_the_style():
+    """A theme chosen in a test is undone after it (app-wide style, palette, stylesheet), so
+    the tests after it see the window as it opens."""
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance()
+    style, palette, sheet = app.style().name(), app.palette(), app.styleSheet()
+    yield
+    app.setStyle(style)
+    app.setPalette(palette)
+    app.setStyleSheet(sheet)
+
+
+@pytest.fixture
 def app_env(tmp_path, monkeypatch):
     """A throw-away data folder, XDG_DATA_HOME and a real file keyring (keyrings.alt)."""
     import keyring.core

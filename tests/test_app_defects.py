@@ -346,18 +346,6 @@ def test_an_800x600_window_keeps_the_chat_usable(window, qtbot):
     assert window.monitor_dock.isVisible()
 
 
-@pytest.fixture
-def restores_the_style():
-    """A theme chosen in a test is undone after it (app-wide style, palette, stylesheet), so
-    the tests after it see the window as it opens."""
-    app = QApplication.instance()
-    style, palette, sheet = app.style().name(), app.palette(), app.styleSheet()
-    yield
-    app.setStyle(style)
-    app.setPalette(palette)
-    app.setStyleSheet(sheet)
-
-
 @pytest.mark.parametrize("theme", [None, "light", "dark"])
 def test_four_panes_and_the_monitor_shrink_to_800x600_in_one_resize(window, qtbot, theme,
                                                                      restores_the_style):

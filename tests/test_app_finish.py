@@ -14,7 +14,7 @@ from PySide6.QtGui import (
     QTextDocument,
     QTextImageFormat,
 )
-from PySide6.QtWidgets import QApplication, QDialogButtonBox, QLineEdit, QPushButton
+from PySide6.QtWidgets import QDialogButtonBox, QLineEdit, QPushButton
 
 from app.chat.attachment_bar import chips_html
 from app.core.attachments import Attachment
@@ -24,16 +24,6 @@ from app.ui import colors, icons
 from app.ui.theme import theme_manager
 from tests.app_helpers import engineless_window
 from tests.user_path import answer_modal
-
-
-@pytest.fixture
-def restores_the_style():
-    app = QApplication.instance()
-    style, palette, sheet = app.style().name(), app.palette(), app.styleSheet()
-    yield
-    app.setStyle(style)
-    app.setPalette(palette)
-    app.setStyleSheet(sheet)
 
 
 @pytest.fixture

@@ -30,16 +30,6 @@ def window(qtbot, qasync_loop, app_env):
         yield w
 
 
-@pytest.fixture
-def restores_the_style():
-    app = QApplication.instance()
-    style, palette, sheet = app.style().name(), app.palette(), app.styleSheet()
-    yield
-    app.setStyle(style)
-    app.setPalette(palette)
-    app.setStyleSheet(sheet)
-
-
 def _four_titled_panes(qtbot, window):
     activate(qtbot, window)
     for _ in range(3):
