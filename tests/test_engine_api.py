@@ -92,10 +92,23 @@ def test_stream_yields_each_requests_events_in_asyncio_without_blocking(engine):
     assert {i for i, kind in arrivals[:first_final] if kind == "token"} == {0, 1}
 
 
+LONG_ANSWERS = [
+    "Write a long story about a dragon who learns to bake bread.",
+    "Explain in detail how a steam engine works, step by step.",
+]
+
+
 def test_cancelling_a_waiting_request(engine):
-    runners = [engine.submit(messages=user(q), params=greedy(300), session_id=f"run-{i}")
-               for i, q in enumerate(QUESTIONS[:2])]
-    waiting = engine.submit(messages=user(QUESTIONS[2]), params=greedy(24), session_id="waiter")
+    # Two chats whose greedy replies run the full 64 tokens (a short answer could end before
+    # the waiter is cancelled), 7 blocks each: both fit the 16-block pool. The third, with
+    # the longest prompt (admission takes the shortest first), waits for a batch slot.
+    prompts = [chat_prompt(user(q)) for q in LONG_ANSWERS]
+    runners = [engine.submit(prompt_tokens=p, params=greedy(64), session_id=f"run-{i}")
+               for i, p in enumerate(prompts)]
+    longest = ("Explain what a KV cache is in one sentence, and say why a chat app that runs"
+               " several conversations at the same time needs one.")
+    assert len(chat_prompt(user(longest))) > max(map(len, prompts))
+    waiting = engine.submit(messages=user(longest), params=greedy(24), session_id="waiter")
 
     def is_waiting() -> bool:
         stats = engine.snapshot().sessions.get("waiter")
@@ -108,10 +121,11 @@ def test_cancelling_a_waiting_request(engine):
     assert tokens == {} and finals[0].usage.generated_tokens == 0
     snap = _first_snapshot_after_the_next_step(engine)
     assert snap.sessions["waiter"].blocks_held == 0 and snap.sessions["waiter"].requests == 0
-    assert not any(r.done for r in runners)  # the running chats go on
-    for r in runners:
-        r.cancel()
-        collect(r)
+    # the running chats go on, untouched: each ends on its own, exactly as mlx-lm replies
+    for prompt, runner in zip(prompts, runners):
+        tokens, finals = collect(runner)
+        assert finals[0].finish_reason is FinishReason.LENGTH
+        assert tokens[0] == greedy_reference(prompt, 64)
     # the engine still answers exactly as mlx-lm does
     prompt = chat_prompt(user(QUESTIONS[3]))
     tokens, _ = collect(engine.submit(prompt_tokens=prompt, params=greedy(12), session_id="after"))
