@@ -1,4 +1,4 @@
-"""What bucketed shapes cost or save (engine/runner/model_adapter.py ``BUCKET_SHAPES``).
+"""What bucketed shapes cost or save (engine/runner/step_batch.py ``BUCKET_SHAPES``).
 
 On a GPU, bucketing lets MLX's CUDA backend reuse its graphs and the kernels their plans;
 on the CPU it only adds padding rows (at most 1.5x the decode rows) and table columns. This
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import engine.runner.model_adapter as model_adapter  # noqa: E402
+import engine.runner.step_batch as step_batch  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 QUESTION = "Tell me about the history of the number {i} in a long, detailed answer."
@@ -50,7 +50,7 @@ def main() -> None:
         run(engine, args.chats, 8)  # warm up
         for _ in range(args.repeats):
             for side in (True, False):
-                model_adapter.BUCKET_SHAPES = side
+                step_batch.BUCKET_SHAPES = side
                 results[side].append(run(engine, args.chats, args.tokens))
     finally:
         engine.stop()

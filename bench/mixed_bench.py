@@ -31,7 +31,7 @@ from mlx_lm import batch_generate
 from engine import Engine, EngineConfig, SamplingParams, TokenEvent
 from engine.config import overlap_steps
 from engine.models.resolve import load_model
-from engine.runner.model_adapter import build_step_batch
+from engine.runner.step_batch import build_step_batch
 from engine.sched.work import SequenceWork
 
 RESULT = Path(__file__).parent / "results" / "mixed.md"

@@ -16,7 +16,8 @@ from engine.kv.blocks import BlockAllocator
 from engine.kv.invariants import check_invariants
 from engine.kv.pool import KVPool
 from engine.runner.architecture import PROVEN_ARCHITECTURES, probe_kv_shape
-from engine.runner.model_adapter import PagedModel, build_step_batch
+from engine.runner.model_adapter import PagedModel
+from engine.runner.step_batch import build_step_batch
 from engine.sched.work import SequenceWork
 
 VOCAB = 128

@@ -11,7 +11,8 @@ from engine.kv.block_table import BlockTable
 from engine.kv.blocks import BlockAllocator
 from engine.kv.pool import KVPool, KVShape
 from engine.runner.architecture import probe_kv_shape
-from engine.runner.model_adapter import PagedModel, build_step_batch
+from engine.runner.model_adapter import PagedModel
+from engine.runner.step_batch import build_step_batch
 from engine.sched.work import SequenceWork
 from tests.test_architectures import tiny_model
 

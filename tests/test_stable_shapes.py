@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import engine.runner.model_adapter as model_adapter
+import engine.runner.step_batch as step_batch
 from engine import Engine, EngineConfig, FinishReason, SamplingParams
 from engine.attention import dispatch as attention
 from engine.attention.plan_cache import PlanCache, plan_key
@@ -23,7 +23,8 @@ from engine.kv.block_table import BlockTable
 from engine.kv.blocks import BlockAllocator
 from engine.kv.pool import KVPool
 from engine.runner.architecture import probe_kv_shape
-from engine.runner.model_adapter import PagedModel, bucket, build_step_batch
+from engine.runner.model_adapter import PagedModel
+from engine.runner.step_batch import bucket, build_step_batch
 from engine.sched.work import SequenceWork
 from tests.reference import collect, reference_model
 from tests.test_architectures import tiny_model
@@ -79,7 +80,7 @@ def _record(monkeypatch) -> tuple[list, list]:
 
 @pytest.mark.parametrize("bucketed", [True, False], ids=["bucketed", "exact"])
 def test_greedy_replies_equal_mlx_lm_with_and_without_buckets(tiny, monkeypatch, bucketed):
-    monkeypatch.setattr(model_adapter, "BUCKET_SHAPES", bucketed)
+    monkeypatch.setattr(step_batch, "BUCKET_SHAPES", bucketed)
     batches, _ = _record(monkeypatch)
     prompts = _prompts(5)  # 5 decoding rows: a bucket of 6, one padding row
     expected = []
@@ -111,7 +112,7 @@ def test_a_long_decode_of_8_chats_uses_few_plan_keys(tiny, monkeypatch):
     (50 keys); buckets give one per bucket the batch and the width pass through (16)."""
     counts = {}
     for bucketed in (True, False):
-        monkeypatch.setattr(model_adapter, "BUCKET_SHAPES", bucketed)
+        monkeypatch.setattr(step_batch, "BUCKET_SHAPES", bucketed)
         batches, keys = _record(monkeypatch)
         eng = _engine(tiny, blocks=512)
         try:

@@ -118,7 +118,7 @@ def paged_prefill(
     blocks through the block table, when ``use_kernel`` on the CUDA backend; else the
     reference path (Metal has no prefill kernel yet). ``block_tables`` ([1, nb]) and
     ``context_lens`` ([1]) are the kernel's forms of the table and the length, when the
-    caller built them once for every layer (engine/runner/model_adapter.py)."""
+    caller built them once for every layer (engine/runner/step_batch.py)."""
     if use_kernel and mx.cuda.is_available():
         from engine.attention.cuda import paged_prefill_cuda
 

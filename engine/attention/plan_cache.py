@@ -3,7 +3,7 @@
 Planning a kernel call (validation, geometry, kernel objects: engine/attention/plans.py) costs
 tens of microseconds, and a step attends once per layer; both backends (engine/attention/metal.py,
 engine/attention/cuda.py) therefore plan once per shape key and keep the plan here. The step's
-shapes are bucketed (engine/runner/model_adapter.py), so a steady decode hits one key; the cache is
+shapes are bucketed (engine/runner/step_batch.py), so a steady decode hits one key; the cache is
 an LRU so a server that sees every prompt length does not grow it for ever.
 """
 
@@ -19,7 +19,7 @@ import mlx.core as mx
 from engine.attention.plans import KernelSet, Launch, Ref
 
 #: Plans a backend keeps (least recently used dropped first). A steady decode uses one or
-#: two keys (engine/runner/model_adapter.py buckets the shapes); the bound stops a server that sees
+#: two keys (engine/runner/step_batch.py buckets the shapes); the bound stops a server that sees
 #: every prompt length from growing the cache for ever.
 PLAN_CACHE_SIZE = 128
 

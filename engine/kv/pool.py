@@ -8,7 +8,7 @@ whole pool.
 
 The arrays hold one block more than ``num_blocks``: the last, ``SCRATCH_BLOCK``, is never
 handed out by the allocator. A step whose shapes are padded to a bucket
-(engine/runner/model_adapter.py) writes its padding rows' K/V there, so a padding row never
+(engine/runner/step_batch.py) writes its padding rows' K/V there, so a padding row never
 touches a block any sequence holds.
 """
 

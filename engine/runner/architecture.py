@@ -21,7 +21,8 @@ import mlx.nn as nn
 from engine.errors import NotPaged
 from engine.kv.pool import KVPool, KVShape
 from engine.models.folder import LoadedModel
-from engine.runner.model_adapter import PagedModel, build_step_batch
+from engine.runner.model_adapter import PagedModel
+from engine.runner.step_batch import build_step_batch
 from engine.sched.work import SequenceWork
 
 logger = logging.getLogger(__name__)

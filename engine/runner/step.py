@@ -33,9 +33,10 @@ import numpy as np
 from engine.events import FinishReason
 from engine.kv.block_table import PENDING
 from engine.kv.pool import KVPool
-from engine.runner.model_adapter import PagedModel, StepBatch, build_step_batch
+from engine.runner.model_adapter import PagedModel
 from engine.runner.output import Output
 from engine.runner.sampling import Layout, RowState, SamplingRow, draw, host_windows, sample_rows
+from engine.runner.step_batch import StepBatch, build_step_batch
 from engine.runner.telemetry import StepTimes, Telemetry
 from engine.sched.prefill_budget import PrefillBudget
 from engine.sched.scheduler import Scheduler, StepPlan

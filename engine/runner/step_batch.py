@@ -1,0 +1,219 @@
+"""A step's layout: which batch row holds which token, where its K/V goes, what it attends to.
+
+A step's work (decode tokens of many sequences plus prefill chunks) is flattened into one
+batch of shape ``[T, 1]``, each token its own row (engine/runner/model_adapter.py runs the
+model over it): the one-token decodes first, sorted by context length, then padding rows,
+then the prompt chunks.
+
+**Stable shapes** (``BUCKET_SHAPES``): the decode rows are padded to ``bucket(n)`` rows, the
+block tables to ``bucket(width)`` columns and the LM head's rows to ``bucket(rows)``, so a
+steady decode repeats the same shapes from step to step and MLX's CUDA backend reuses its
+graphs (it keys them by topology) and the kernels reuse their plans, instead of paying
+graph instantiation again whenever the batch or the longest table (every ``block_size``
+tokens) changed. A padding row is inert: it feeds token 0 at position 0, writes its K/V to
+the pool's scratch block (``kv_pool.SCRATCH_BLOCK``, which no table names), attends to one
+slot, and its output is dropped.
+
+**Decode groups**: the kernels read each row's own blocks, whatever the table's width; the
+reference path gathers a table's full width for every row of it, so one short chat beside a
+long one would pay for the long one's context. The decode rows, sorted by length, are cut
+into ``DecodeGroup`` runs of rows whose tables have about the same width, and the reference
+path attends group by group (``decode_groups``), each over its own width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from engine.kv.pool import SCRATCH_BLOCK
+from engine.sched.work import SequenceWork
+
+#: Pad the step's shapes to buckets (see the module docstring). Off only to compare
+#: against the exact shapes (tests).
+BUCKET_SHAPES = True
+#: What one more attention call costs on the reference path, in row-blocks of gathered K/V
+#: (one row over one block): a narrower run of rows is split off only when the row-blocks it
+#: saves outweigh it. Measured by bench/decode_groups_cost.py on the CPU with the default
+#: model: 80 us per call + 8.5 us per row-block, a call worth 9 row-blocks.
+GROUP_CALL_BLOCKS = 8
+
+
+def bucket(n: int) -> int:
+    """``n`` rounded up to the next of 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... (the powers of
+    two and 1.5 times them): at most 1.5x the work, and about two buckets per doubling, so
+    a batch or a table growing to ``n`` passes through O(log n) shapes."""
+    if n <= 2:
+        return n
+    up = 1 << (n - 1).bit_length()
+    return up * 3 // 4 if n <= up * 3 // 4 else up
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode rows ``[start, stop)`` whose tables need only their first ``width`` columns."""
+
+    start: int
+    stop: int
+    width: int
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    row_start: int
+    length: int
+    block_table: mx.array  # int32 [nb]: the sequence's blocks, padded to a bucket with 0s
+    context_len: int
+    #: The same table as [1, nb] and the context length as int32 [1], built once per step
+    #: for the kernel instead of once per layer.
+    block_tables: mx.array | None = None
+    context_lens: mx.array | None = None
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Per-step metadata, built once and shared by every layer."""
+
+    tokens: mx.array  # [T, 1]
+    positions: mx.array  # [T]
+    write_blocks: mx.array  # [T]
+    write_offsets: mx.array  # [T]
+    num_decode: int  # rows [0, num_decode) are one-token decodes (padding rows included)
+    decode_tables: mx.array | None  # [num_decode, max_blocks]
+    decode_lens: mx.array | None  # [num_decode]
+    prefills: tuple[PrefillChunk, ...]
+    #: Rows that reach the LM head, in layout order (None: none): the rows whose logits are
+    #: returned, then repeats of the last of them up to a bucket (dropped after the head).
+    logit_rows: mx.array | None
+    logit_owners: tuple[int, ...]  # index into the work list for each returned logit row
+    work_rows: tuple[int, ...] = ()  # the first row of each work, in work order
+    padding: int = 0  # padding rows, after the real decode rows
+    #: The decode rows cut by table width, for the reference path (covers every decode row).
+    decode_groups: tuple[DecodeGroup, ...] = ()
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits ``PagedModel.forward`` returns (one per ``logit_owners``)."""
+        return len(self.logit_owners)
+
+
+def build_step_batch(work: Sequence[SequenceWork], bucketed: bool | None = None) -> StepBatch:
+    """Lay out a step: one-token works first (shortest context first, one batched decode
+    attention on the kernels, one per ``DecodeGroup`` on the reference path), padding rows up
+    to a bucket, then chunks. ``bucketed`` (default ``BUCKET_SHAPES``) pads the shapes."""
+    fit = bucket if (BUCKET_SHAPES if bucketed is None else bucketed) else _exact
+    decodes = sorted((i for i, w in enumerate(work) if len(w.tokens) == 1),
+                     key=lambda i: len(work[i].blocks))
+    chunks = [i for i, w in enumerate(work) if len(w.tokens) != 1]
+    tokens: list[int] = []
+    positions: list[int] = []
+    blocks: list[int] = []
+    offsets: list[int] = []
+    prefills: list[PrefillChunk] = []
+    logit_rows: list[int] = []
+    logit_owners: list[int] = []
+    work_rows = [0] * len(work)
+
+    def place(i: int) -> int:
+        w = work[i]
+        if len(w.slots) != len(w.tokens):
+            raise ValueError("every fed token needs a slot")
+        row = work_rows[i] = len(tokens)
+        tokens.extend(w.tokens)
+        positions.extend(range(w.start, w.start + len(w.tokens)))
+        for b, o in w.slots:
+            blocks.append(b)
+            offsets.append(o)
+        if w.want_logits:
+            logit_rows.append(row + len(w.tokens) - 1)
+            logit_owners.append(i)
+        return row
+
+    for i in decodes:
+        place(i)
+    padding = fit(len(decodes)) - len(decodes)
+    tokens.extend([0] * padding)  # token 0 at position 0, its K/V to the scratch block
+    positions.extend([0] * padding)
+    blocks.extend([SCRATCH_BLOCK] * padding)
+    offsets.extend([0] * padding)
+    for i in chunks:
+        w = work[i]
+        row = place(i)
+        width = fit(len(w.blocks))
+        table = mx.array(list(w.blocks) + [0] * (width - len(w.blocks)), dtype=mx.int32)
+        context_len = w.start + len(w.tokens)
+        prefills.append(PrefillChunk(
+            row_start=row, length=len(w.tokens), block_table=table, context_len=context_len,
+            block_tables=table.reshape(1, width),
+            context_lens=mx.array([context_len], dtype=mx.int32),
+        ))
+    decode_tables = decode_lens = None
+    groups: tuple[DecodeGroup, ...] = ()
+    if decodes:
+        widths = [len(work[i].blocks) for i in decodes]
+        width = fit(widths[-1])
+        table = [list(work[i].blocks) + [0] * (width - len(work[i].blocks)) for i in decodes]
+        lens = [work[i].start + 1 for i in decodes]
+        # Padding rows read one slot of block 0 (their output is dropped): in bounds for
+        # every kernel, which the scratch block's negative id would not be.
+        table.extend([[0] * width] * padding)
+        lens.extend([1] * padding)
+        decode_tables = mx.array(table, dtype=mx.int32)
+        decode_lens = mx.array(lens, dtype=mx.int32)
+        groups = decode_groups(widths, padding, fit)
+    if logit_rows:  # the LM head on a bucket of rows; the repeats are dropped after it
+        logit_rows.extend([logit_rows[-1]] * (fit(len(logit_rows)) - len(logit_rows)))
+    return StepBatch(
+        tokens=mx.array(tokens, dtype=mx.int32)[:, None],
+        positions=mx.array(positions, dtype=mx.int32),
+        write_blocks=mx.array(blocks, dtype=mx.int32),
+        write_offsets=mx.array(offsets, dtype=mx.int32),
+        num_decode=len(decodes) + padding,
+        decode_tables=decode_tables,
+        decode_lens=decode_lens,
+        prefills=tuple(prefills),
+        # No empty arrays: MLX's CUDA graphs fail on a zero-sized launch (docs/GPU.md).
+        logit_rows=mx.array(logit_rows, dtype=mx.int32) if logit_rows else None,
+        logit_owners=tuple(logit_owners),
+        work_rows=tuple(work_rows),
+        padding=padding,
+        decode_groups=groups,
+    )
+
+
+def decode_groups(widths: list[int], padding: int, fit=bucket) -> tuple[DecodeGroup, ...]:
+    """Cut decode rows (``widths``: each row's table width in blocks, ascending; then
+    ``padding`` rows that read one slot) into runs that share a bucketed width.
+
+    From the widest run down, a narrower run joins the one above it unless the columns it
+    would gather for nothing (rows x extra width) cost more than one more attention call
+    (``GROUP_CALL_BLOCKS``). The padding rows, after every real row, join a lone run or
+    make a run of width 1 (they attend to one slot).
+    """
+    runs: list[list[int]] = []  # [start, stop, width], ascending width
+    for row, w in enumerate(widths):
+        width = fit(w)
+        if runs and runs[-1][2] == width:
+            runs[-1][1] = row + 1
+        else:
+            runs.append([row, row + 1, width])
+    merged: list[list[int]] = [runs[-1]]
+    for start, stop, width in reversed(runs[:-1]):
+        above = merged[-1]
+        if (stop - start) * (above[2] - width) <= GROUP_CALL_BLOCKS:
+            above[0] = start  # join the wider run: cheaper than a call of its own
+        else:
+            merged.append([start, stop, width])
+    merged.reverse()
+    if padding:
+        if len(merged) == 1:
+            merged[0][1] += padding
+        else:
+            merged.append([len(widths), len(widths) + padding, 1])
+    return tuple(DecodeGroup(start, stop, width) for start, stop, width in merged)
+
+
+def _exact(n: int) -> int:
+    return n
