@@ -450,11 +450,22 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def paste_scenario(eng, prompts, repeats: int, short_tokens: int) -> dict:
+def paste_scenario(eng, prompts, repeats: int, short_tokens: int,
+                   app_priorities: bool = True) -> dict:
     """Chats streaming when a long paste arrives, then a short question 0.2 s later, on
     ``eng``; the same scenario without the paste is the short chat's "alone"; the paste alone
     runs on the idle engine. ``prompts(kind, index)`` gives fresh prompts ("stream", "paste",
-    "short", "alone"), so that no run reads another's blocks from the prefix cache."""
+    "short", "alone"), so that no run reads another's blocks from the prefix cache.
+
+    ``app_priorities`` gives the requests the priorities the app gives them
+    (app/bridges/engine_bridge.py ``set_focus``): the streaming chats sit in unfocused panes
+    (BACKGROUND), the paste is sent in the focused pane (INTERACTIVE), and the short question
+    is typed in another pane, which takes the focus (it goes INTERACTIVE, the paste's chat
+    BACKGROUND). Without, every request is NORMAL (an API client that says nothing)."""
+    from engine import Priority
+
+    focus, aside = ((Priority.INTERACTIVE, Priority.BACKGROUND) if app_priorities
+                    else (Priority.NORMAL, Priority.NORMAL))
     runs: dict[str, list] = {"with": [], "without": [], "paste_alone_s": []}
     streams = prompts("streams", 0)
     for r in range(repeats):
@@ -462,7 +473,7 @@ def paste_scenario(eng, prompts, repeats: int, short_tokens: int) -> dict:
             run = 2 * r + int(with_paste)
             stream_handles = [
                 eng.submit(prompt_tokens=p, params=engine_params("app-sampling", 100000),
-                           session_id=f"stream-{i}")
+                           session_id=f"stream-{i}", priority=aside)
                 for i, p in enumerate(prompts("streams", run))]
             lines = [Timeline(h) for h in stream_handles]
             for line in lines:
@@ -473,12 +484,14 @@ def paste_scenario(eng, prompts, repeats: int, short_tokens: int) -> dict:
             if with_paste:
                 paste_line = Timeline(eng.submit(
                     prompt_tokens=prompts("paste", run), params=engine_params("app-sampling", 4),
-                    session_id="paste"))
+                    session_id="paste", priority=focus))
             time.sleep(0.2)  # the user types a short question while the paste is read
             t_short = time.perf_counter()
+            if with_paste:
+                eng.set_priority("paste", aside)  # the short question's pane takes the focus
             short_line = Timeline(eng.submit(
                 prompt_tokens=prompts("short", run), params=engine_params("greedy", short_tokens),
-                session_id="short"))
+                session_id="short", priority=focus))
             short_line.thread.join()
             if paste_line is not None:
                 paste_line.thread.join()
@@ -502,7 +515,8 @@ def paste_scenario(eng, prompts, repeats: int, short_tokens: int) -> dict:
                    session_id="alone").result()
         runs["paste_alone_s"].append(time.perf_counter() - t0)
     return dict(runs=runs, streams=len(streams), paste_len=len(prompts("paste", 0)),
-                short_len=len(prompts("short", 0)), short_tokens=short_tokens)
+                short_len=len(prompts("short", 0)), short_tokens=short_tokens,
+                priorities="app" if app_priorities else "none (all NORMAL)")
 
 
 def paste(shape: dict, streams: int, stream_prompt: int, paste_len: int, short_len: int,
@@ -565,7 +579,8 @@ def paste_report(p: dict, targets: dict) -> list[str]:
     gap = med(w, "during_p99") / before_p50
     lines = [f"{p['streams']} chats streaming (app sampling) when a {p['paste_len']}-token "
              f"paste arrives; a {p['short_len']}-token question 0.2 s later "
-              f"({p['short_tokens']} greedy tokens). Median (min-max) over repeats.", "",
+              f"({p['short_tokens']} greedy tokens); priorities: "
+              f"{p.get('priorities', 'none (all NORMAL)')}. Median (min-max) over repeats.", "",
               "| measure | value | target (interactive-first issue) | verdict |",
               "| --- | --- | --- | --- |",
               f"| streaming gaps before the paste, p50 / p99 ms | "

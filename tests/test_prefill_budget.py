@@ -1,15 +1,17 @@
 """The adaptive prompt budget on a simulated step-time model (no model, no clock).
 
 The simulated step costs ``decode`` plus a fixed prefill overhead plus a per-token cost, as
-a real chunked prefill does (the overhead is the context gather, growing with the prompt);
-the budget never sees those parameters, only the step times it is told.
+a real chunked prefill does (the overhead is the context gather, growing with the prompt),
+and, where the test says so, a per-token cost that grows with the context the token attends
+to; the budget never sees those parameters, only the step times (and the prompt's context)
+it is told.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from engine.sched.prefill_budget import PrefillBudget
+from engine.sched.prefill_budget import MAX_SKIPPED_STEPS, PrefillBudget
 
 
 def simulate(budget: PrefillBudget, decode: float, overhead: float, per_token: float,
@@ -37,10 +39,53 @@ def test_steps_settle_at_the_target_multiple_of_a_decode_step(decode, overhead, 
     assert budget.budget(decoding=False) == 4096  # a prompt alone runs at full chunk
 
 
-def test_a_prompt_too_costly_for_the_target_still_advances_by_the_minimum():
+def test_a_prompt_too_costly_for_one_step_skips_steps_and_still_advances():
     budget = PrefillBudget(max_chunk=256, min_chunk=16, target=2.0)
-    simulate(budget, decode=0.05, overhead=0.08, per_token=0.001, steps=20)
-    assert budget.budget(decoding=True) == 16
+    decode, overhead, per_token = 0.05, 0.08, 0.001
+    budget.observe(decode, decode_rows=4, prompt_tokens=0)
+    taken, ratios = [], []
+    for _ in range(40):
+        n = budget.budget(decoding=True)
+        step = decode + (overhead + per_token * n if n else 0.0)
+        budget.observe(step, decode_rows=4, prompt_tokens=n)
+        taken.append(n)
+        ratios.append(step / decode)
+    late = taken[10:]
+    # it runs every other step (two steps' allowance pay for its 0.096 s chunk) ...
+    assert all(n >= 16 for n in late[::2] + late[1::2] if n) and late.count(0) >= len(late) // 3
+    # ... never skips more than the guaranteed share allows ...
+    run = longest = 0
+    for n in taken:
+        run = run + 1 if n == 0 else 0
+        longest = max(longest, run)
+    assert longest <= MAX_SKIPPED_STEPS
+    # ... and the streaming chats see the target on average
+    assert sum(ratios[10:]) / len(ratios[10:]) <= 2.0 + 0.1
+
+
+def test_the_chunk_follows_its_cost_at_the_context_it_is_read_at():
+    """A token at 3,000 tokens of context costs 4x one at 0 (attention over the context). A
+    short chat's prompt arrives between the paste's chunks: a cost learned from the short
+    prompt's cheap tokens must not make the paste's next chunk overshoot (a single average
+    cost per token did: 2.55x a decode step)."""
+    budget = PrefillBudget(max_chunk=512, min_chunk=8, target=2.0)
+    decode, a, b = 0.05, 0.0005, 0.0005 / 1000
+    budget.observe(decode, decode_rows=4, prompt_tokens=0)
+    ratios = []
+    paste_at = 2000
+    for step in range(60):
+        short = step % 3 == 2  # every third step a short prompt from context 0
+        context = 0 if short else paste_at
+        n = budget.budget(decoding=True, context=context)
+        mean_context = context + (n - 1) / 2
+        cost = n * (a + b * mean_context)
+        budget.observe(decode + cost, decode_rows=4, prompt_tokens=n,
+                       prompt_context=mean_context)
+        if not short:
+            paste_at += n
+        ratios.append((decode + cost) / decode)
+    assert all(r <= 2.0 + 0.1 for r in ratios[6:]), [round(r, 2) for r in ratios]
+    assert all(r >= 2.0 - 0.2 for r in ratios[6:])  # and it uses what it is allowed
 
 
 def test_target_zero_keeps_the_fixed_chunk():

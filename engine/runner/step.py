@@ -111,7 +111,8 @@ class StepRunner:
     def step(self) -> None:
         times = self._times = StepTimes()
         t0 = t_schedule = time.perf_counter()
-        plan = self.scheduler.schedule(self.prefill.budget(self.scheduler.decoding))
+        plan = self.scheduler.schedule(
+            self.prefill.budget(self.scheduler.decoding, self.scheduler.prompt_context))
         if self._inflight is not None and any(seq.inflight for seq, _ in plan.failed):
             self._read(self._take_inflight())  # their last token is in flight: keep it
         for seq, message in plan.failed:  # it needs more KV than the whole pool holds
@@ -141,8 +142,11 @@ class StepRunner:
             return
         t1 = time.perf_counter()
         decodes = sum(1 for w in plan.works if len(w.tokens) == 1)
-        prompt_tokens = sum(len(w.tokens) for w in plan.works if len(w.tokens) != 1)
-        self.prefill.observe(t1 - t0, decodes, prompt_tokens)
+        chunks = [w for w in plan.works if len(w.tokens) != 1]
+        prompt_tokens = sum(len(w.tokens) for w in chunks)
+        positions = sum(len(w.tokens) * (w.start + (len(w.tokens) - 1) / 2) for w in chunks)
+        self.prefill.observe(t1 - t0, decodes, prompt_tokens,
+                             positions / prompt_tokens if prompt_tokens else 0.0)
         self.telemetry.step(len(plan.works), t1 - t0, times)
 
     def discard_inflight(self) -> None:

@@ -119,6 +119,12 @@ class Scheduler:
         """Some running sequence needs just its next token (it would decode this step)."""
         return any(seq.num_to_feed == 1 for seq in self.running)
 
+    @property
+    def prompt_context(self) -> int:
+        """The longest context a prompt under way continues from (0 when none is): what
+        its next chunk's tokens attend to, so what they cost (engine/sched/prefill_budget.py)."""
+        return max((s.num_in_table for s in self.running if s.num_to_feed >= 2), default=0)
+
     def schedule(self, prompt_budget: int | None = None) -> StepPlan:
         """Plan one step; ``prompt_budget`` caps its prompt tokens (default: prefill_chunk).
 
