@@ -6,6 +6,7 @@ clear message instead of deep inside the engine thread.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import re
@@ -128,6 +129,50 @@ def checked_priority(priority: object) -> Priority:
                          f" got {priority!r}") from None
 
 
+#: What a Constraint can hold a reply to (engine/runner/constraints.py compiles each).
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a reply must match, token by token (constrained decoding): the sampler only
+    draws tokens that keep the reply inside the grammar, and the reply ends where the
+    grammar does.
+
+    ``kind``: "json_schema" (``spec``: a JSON Schema, as a dict or its JSON text),
+    "json_object" (any JSON object; no spec), "regex" (``spec``: the pattern the whole reply
+    matches) or "lark" (``spec``: a grammar in llguidance's Lark dialect, which can embed
+    JSON schemas: tool calls are built this way). The grammar itself is compiled against
+    the model's tokenizer at submit, where a bad one is refused with the compiler's message.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)},"
+                             f" got {self.kind!r}")
+        spec = self.spec
+        if self.kind == "json_schema":
+            if isinstance(spec, str):
+                try:
+                    spec = json.loads(spec)
+                except ValueError as e:
+                    raise ValueError(f"a json_schema constraint needs a JSON schema: {e}") from None
+            if not isinstance(spec, dict):
+                raise ValueError("a json_schema constraint needs a JSON schema object, got "
+                                 f"{type(spec).__name__}")
+            object.__setattr__(self, "spec", json.dumps(spec, sort_keys=True))
+        elif self.kind == "json_object":
+            if spec not in ("", None):
+                raise ValueError("a json_object constraint takes no spec")
+            object.__setattr__(self, "spec", "")
+        elif not isinstance(spec, str) or not spec:
+            raise ValueError(f"a {self.kind} constraint needs its {self.kind} as a non-empty "
+                             f"string, got {spec!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples; temperature 0 means greedy.
@@ -150,6 +195,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     n: int = 1
+    #: Hold the reply to a grammar (None: free text). See :class:`Constraint`.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -172,6 +219,9 @@ class SamplingParams:
                                        "None or an integer in [0, 2**64 - 1]"))
         put(self, "n", _integer("n", self.n, 1, MAX_SAMPLES))
         put(self, "stop", _stop_strings(self.stop))
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError("constraint must be None or a Constraint, got "
+                             f"{type(self.constraint).__name__}")
 
     @property
     def greedy(self) -> bool:
