@@ -163,7 +163,8 @@ class Constraint:
             if not isinstance(spec, dict):
                 raise ValueError("a json_schema constraint needs a JSON schema object, got "
                                  f"{type(spec).__name__}")
-            object.__setattr__(self, "spec", json.dumps(spec, sort_keys=True))
+            # property order kept: the reply follows the schema's order, as OpenAI's does
+            object.__setattr__(self, "spec", json.dumps(spec))
         elif self.kind == "json_object":
             if spec not in ("", None):
                 raise ValueError("a json_object constraint takes no spec")

@@ -36,6 +36,7 @@ from engine.requests.validation import (
     checked_prompt,
     vocab_size,
 )
+from engine.runner.constraints import grammars_for
 from engine.runner.output import refuse
 from engine.runner.step import describe
 from engine.runner.telemetry import Telemetry
@@ -142,6 +143,8 @@ class Engine:
         runtime = self.runtime
         if runtime is not None:
             check_top_k(params, vocab_size(runtime.loaded.tokenizer))
+            if params.constraint is not None:  # a grammar the compiler refuses: refused here
+                grammars_for(runtime.loaded.tokenizer).check(params.constraint)
         with self._lock:
             if not self._started:
                 raise RuntimeError("the engine is not running: call start() first")

@@ -11,6 +11,7 @@ from typing import Any
 from engine.config import SamplingParams, check_top_k
 from engine.handle import RequestHandle
 from engine.models.chat_format import encode_chat
+from engine.runner.constraints import grammars_for
 from engine.runner.sampling import new_key
 from engine.sched.sequence import Request, Sequence
 
@@ -52,6 +53,15 @@ def admit(
         check_top_k(params, vocab)  # submit checks it too, once the model is loaded
     except ValueError as e:
         return request, str(e)
+    grammar = None
+    if params.constraint is not None:
+        try:
+            grammars = grammars_for(tokenizer)
+            grammar = grammars.check(params.constraint)
+            matchers = [grammars.matcher(grammar) for _ in range(params.n)]
+        except ValueError as e:
+            return request, str(e)
+        request.grammars = grammars
     for index in range(params.n):
         request.sequences.append(
             Sequence(
@@ -64,4 +74,6 @@ def admit(
                 detokenizer=tokenizer.detokenizer,
             )
         )
+        if grammar is not None:
+            request.sequences[-1].matcher = matchers[index]
     return request, None

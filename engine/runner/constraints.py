@@ -21,6 +21,7 @@ flight first): constrained rows decode synchronously, the others overlap as befo
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Sequence
 
 import llguidance
@@ -45,11 +46,25 @@ def grammar_text(constraint: Constraint) -> str:
     return llguidance.LLMatcher.grammar_from_lark(constraint.spec)
 
 
+_BY_TOKENIZER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def grammars_for(tokenizer) -> Grammars:
+    """The :class:`Grammars` of an mlx-lm tokenizer (built on first use: the llguidance
+    tokenizer takes a moment to build from the vocabulary)."""
+    grammars = _BY_TOKENIZER.get(tokenizer)
+    if grammars is None:
+        vocab = max(tokenizer.vocab_size, len(tokenizer._tokenizer))
+        grammars = Grammars(tokenizer._tokenizer, vocab, sorted(tokenizer.eos_token_ids))
+        _BY_TOKENIZER[tokenizer] = grammars
+    return grammars
+
+
 class Grammars:
     """The model's tokenizer as llguidance sees it, and the matchers built on it.
 
-    ``vocab_size`` is the width of the model's logits (it may exceed the tokenizer's
-    vocabulary: padded embeddings); tokens past the tokenizer's are never allowed.
+    ``vocab_size`` is the tokenizer's vocabulary; logits may be wider (padded embeddings):
+    :func:`apply_bitmask` never allows a token past the mask.
     """
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
@@ -90,8 +105,11 @@ def apply_bitmask(logits: mx.array, rows: mx.array | None, masks: mx.array) -> m
     -inf in ``rows`` (None: every row); the other rows are returned as they were."""
     vocab = logits.shape[-1]
     ids = mx.arange(vocab, dtype=mx.uint32)
-    words = masks.astype(mx.uint32)[:, ids >> 5]  # [n, V]
+    covered = masks.shape[-1] * 32
+    words = masks.astype(mx.uint32)[:, mx.minimum(ids >> 5, masks.shape[-1] - 1)]  # [n, V]
     allowed = ((words >> (ids & 31)) & 1).astype(mx.bool_)
+    if vocab > covered:  # logits wider than the tokenizer: those tokens are never allowed
+        allowed = allowed & (ids < covered)
     if rows is None:
         return mx.where(allowed, logits, -mx.inf)
     picked = logits[rows]

@@ -36,6 +36,10 @@ class Output:
         seq.tokens.append(token)
         self.telemetry.token(seq.session_id, now)
         params = seq.request.params
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            self.finish(seq, FinishReason.ERROR,
+                        f"the reply left its constraint: {seq.matcher.get_error()}")
+            return
         if token in self.eos_ids:
             seq.detokenizer.finalize()
             self._emit_and_finish(seq, seq.detokenizer.text, [token], FinishReason.STOP)
@@ -47,6 +51,10 @@ class Output:
             if at >= 0:
                 self._emit_and_finish(seq, text[:at], [token], FinishReason.STOP)
                 return
+        if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete
+            seq.detokenizer.finalize()
+            self._emit_and_finish(seq, seq.detokenizer.text, [token], FinishReason.STOP)
+            return
         if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.max_context:
             seq.detokenizer.finalize()
             self._emit_and_finish(seq, seq.detokenizer.text, [token], FinishReason.LENGTH)

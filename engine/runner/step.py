@@ -33,6 +33,7 @@ import numpy as np
 from engine.events import FinishReason
 from engine.kv.block_table import PENDING
 from engine.kv.pool import KVPool
+from engine.runner.constraints import apply_bitmask
 from engine.runner.model_adapter import PagedModel
 from engine.runner.output import Output
 from engine.runner.sampling import Layout, RowState, SamplingRow, draw, host_windows, sample_rows
@@ -69,6 +70,7 @@ class Launched:
     state: RowState  # the rows' state before this step's draw
     next_state: RowState  # after it: this step's tokens in the windows, the keys split
     number: int  # launches counted from 1: which of two steps drew later
+    constrained: bool = False  # some row was masked by its grammar: read before the next
 
     def row_of(self, seq: Sequence) -> int:
         return self.index[id(seq)]
@@ -111,6 +113,9 @@ class StepRunner:
     def step(self) -> None:
         times = self._times = StepTimes()
         t0 = t_schedule = time.perf_counter()
+        if self._inflight is not None and self._inflight.constrained:
+            # a constrained row's mask needs its newest token: this step waits for it
+            self._read(self._take_inflight())
         plan = self.scheduler.schedule(
             self.prefill.budget(self.scheduler.decoding, self.scheduler.prompt_context))
         if self._inflight is not None and any(seq.inflight for seq, _ in plan.failed):
@@ -200,6 +205,9 @@ class StepRunner:
             return None
         if owners != list(range(logits.shape[0])):
             logits = logits[mx.array(owners, dtype=mx.int32)]
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:
+            logits = self._constrain(logits, [seqs[i] for i in constrained], constrained)
         layout, state = self._row_state(seqs, rows)
         tokens, next_state = draw(layout, logits, state)
         t2 = time.perf_counter()
@@ -210,8 +218,16 @@ class StepRunner:
             s.inflight += 1
         self._launches += 1
         self._last = Launched(list(plan.works), fanout, seqs, rows, tokens, layout, state,
-                              next_state, self._launches)
+                              next_state, self._launches, constrained=bool(constrained))
         return self._last
+
+    def _constrain(self, logits: mx.array, seqs: list[Sequence], rows: list[int]) -> mx.array:
+        """``logits`` with what each constrained row's grammar forbids at -inf (their
+        matchers have consumed every token so far: their steps are never launched ahead)."""
+        # one model, one tokenizer: any constrained request's Grammars fills every row
+        masks = seqs[0].request.grammars.bitmasks([s.matcher for s in seqs])
+        index = None if len(rows) == logits.shape[0] else mx.array(rows, dtype=mx.int32)
+        return apply_bitmask(logits, index, mx.array(masks))
 
     # ---- the sampler's state, carried between steps ------------------------------------------
 
@@ -367,7 +383,12 @@ class StepRunner:
         for s, row in samples:
             if s.finished:
                 continue
-            token = self._guard(s, self._sample_one, s, logits[0:1], row,
+            row_logits = logits[0:1]
+            if s.matcher is not None:
+                row_logits = self._guard(s, self._constrain, row_logits, [s], [0])
+                if row_logits is None:
+                    continue
+            token = self._guard(s, self._sample_one, s, row_logits, row,
                                 self._launches if number is None else number)
             if token is not None:
                 self._accept(s, token)

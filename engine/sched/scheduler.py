@@ -88,6 +88,8 @@ class Scheduler:
                 continue
             sibling.tokens = list(seq.tokens)
             sibling.table = self.alloc.fork(seq.table)
+            if seq.matcher is not None:  # at the prompt's end: the same grammar state
+                sibling.matcher = seq.matcher.deep_copy()
             sibling.state = SequenceState.DECODING
             sibling.admitted_at = seq.admitted_at
             self.running.append(sibling)

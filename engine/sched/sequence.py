@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -38,6 +38,8 @@ class Request:
     cached_prompt_tokens: int = 0
     forked: bool = False
     priority: Priority = Priority.NORMAL
+    #: A constrained request's grammars (engine/runner/constraints.py ``Grammars``).
+    grammars: Any = None
 
     @property
     def finished(self) -> bool:
@@ -74,6 +76,9 @@ class Sequence:
 
     #: Why the scheduler left it waiting in its last step ("" when it ran): for the monitor.
     waiting_reason: str = ""
+    #: The grammar's matcher of a constrained request (llguidance's LLMatcher,
+    #: engine/runner/constraints.py): it has consumed every token the reply accepted.
+    matcher: Any = None
 
     @property
     def session_id(self) -> str:
