@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.server.errors import APIError
-from engine import DEFAULT_REPETITION_CONTEXT, SamplingParams
+from engine import DEFAULT_REPETITION_CONTEXT, Constraint, SamplingParams
 
 MAX_STOP_STRINGS = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -75,9 +75,7 @@ def _common(body: dict, **prompt: Any) -> ParsedRequest:
         raise _unsupported("tools")
     if body.get("logit_bias"):
         raise _unsupported("logit_bias")
-    response_format = body.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
-        raise _unsupported("response_format")
+    constraint = _response_format(body.get("response_format"))
 
     stream = _boolean(body, "stream", False)
     options = body.get("stream_options")
@@ -102,6 +100,7 @@ def _common(body: dict, **prompt: Any) -> ParsedRequest:
         "stop": _stop(body.get("stop")),
         # A placeholder until the prompt's length is known (see with_max_tokens).
         "max_tokens": max_tokens if max_tokens is not None else 1,
+        "constraint": constraint,
     }
     try:
         params = SamplingParams(**values)
@@ -136,6 +135,40 @@ def _param_of(message: str, max_name: str) -> str | None:
         return "stop" if "stop" in message else None
     field = min(found)[1]
     return max_name if field == "max_tokens" else field
+
+
+def _response_format(value: Any) -> Constraint | None:
+    """OpenAI's ``response_format``: text (no constraint), ``json_object`` (any JSON object)
+    or ``json_schema`` ({name, schema, strict}); the engine holds the reply to it. Whether
+    the schema compiles is the engine's to say, at submit (routes.py turns its refusal
+    into a 400 naming this parameter)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise APIError(400, "response_format must be an object with a type",
+                       param="response_format", code="invalid_type")
+    kind = value.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind != "json_schema":
+        raise APIError(400, "response_format.type must be text, json_object or json_schema, "
+                       f"got {kind!r}", param="response_format.type", code="invalid_value")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise APIError(400, "response_format.json_schema must be an object with a name and a "
+                       "schema", param="response_format.json_schema", code="invalid_type")
+    name = spec.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise APIError(400, "response_format.json_schema.name must be 1-64 letters, digits, "
+                       f"underscores or dashes, got {name!r}",
+                       param="response_format.json_schema.name", code="invalid_value")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise APIError(400, "response_format.json_schema.schema must be a JSON Schema object",
+                       param="response_format.json_schema.schema", code="invalid_type")
+    return Constraint("json_schema", schema)
 
 
 def _unsupported(name: str) -> APIError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -264,8 +265,16 @@ async def _submit_and_answer(state: _State, request: Request, engine: Engine,
                        code="context_length_exceeded")
     params = with_max_tokens(parsed, len(tokens), limit)
     # API requests are background work: the chats in front of the user go first.
-    handle = engine.submit(prompt_tokens=tokens, params=params,
-                           session_id=session_for(parsed.user), priority=Priority.BACKGROUND)
+    submit = functools.partial(engine.submit, prompt_tokens=tokens, params=params,
+                               session_id=session_for(parsed.user), priority=Priority.BACKGROUND)
+    if params.constraint is None:
+        handle = submit()
+    else:  # compiling a grammar takes a moment (the first one builds the tokenizer's side)
+        try:
+            handle = await asyncio.to_thread(submit)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="response_format",
+                           code="invalid_value") from exc
     state.handles.add(handle)
     reply = Reply(chat=chat, model=model_id(engine.model_info.name), n=params.n,
                   include_usage=parsed.include_usage)
