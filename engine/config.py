@@ -99,6 +99,8 @@ class EngineConfig:
 #: mx.random.key takes an unsigned 64-bit seed.
 SEED_RANGE = (0, 2**64 - 1)
 MAX_SAMPLES = 8
+#: The most alternatives a token's log-probabilities list (OpenAI's ``top_logprobs`` limit).
+MAX_TOP_LOGPROBS = 20
 #: Far above any model's context, but a bound: an int this large is a typo, not a wish.
 MAX_NEW_TOKENS = 1 << 20
 #: The repetition penalty's window: mlx-lm's default, and a bound far above any useful one.
@@ -198,6 +200,8 @@ class SamplingParams:
     n: int = 1
     #: Hold the reply to a grammar (None: free text). See :class:`Constraint`.
     constraint: Constraint | None = None
+    #: Report each token's log-probability and this many alternatives (None: none).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -220,6 +224,9 @@ class SamplingParams:
                                        "None or an integer in [0, 2**64 - 1]"))
         put(self, "n", _integer("n", self.n, 1, MAX_SAMPLES))
         put(self, "stop", _stop_strings(self.stop))
+        if self.logprobs is not None:
+            put(self, "logprobs", _integer("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS,
+                                           f"None or an integer in [0, {MAX_TOP_LOGPROBS}]"))
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError("constraint must be None or a Constraint, got "
                              f"{type(self.constraint).__name__}")

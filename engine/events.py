@@ -49,6 +49,16 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (the log-softmax of its raw logits)
+    and, when asked for, the most likely tokens at that position with theirs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """A piece of streamed output for one sample (index) of one request."""
 
@@ -57,6 +67,8 @@ class TokenEvent:
     index: int
     text: str
     token_ids: tuple[int, ...]
+    #: One entry per token of ``token_ids`` when the request asked for ``logprobs``.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from engine.events import FinalEvent, FinishReason, SequenceState, TokenEvent, Usage
+from engine.events import FinalEvent, FinishReason, SequenceState, TokenEvent, TokenLogprob, Usage
 from engine.handle import RequestHandle
 from engine.runner.telemetry import Telemetry
 from engine.sched.scheduler import Scheduler
@@ -26,8 +26,10 @@ class Output:
         self.max_context = max_context
         self.requests: dict[str, Request] = {}
 
-    def accept_token(self, seq: Sequence, token: int) -> None:
-        """Append a sampled token, then emit it or end the sequence (EOS, stop, length)."""
+    def accept_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None
+                     ) -> None:
+        """Append a sampled token, then emit it or end the sequence (EOS, stop, length);
+        ``logprob``: its log-probability, when the request asked for them."""
         if seq.finished:
             return
         now = time.perf_counter()
@@ -42,26 +44,26 @@ class Output:
             return
         if token in self.eos_ids:
             seq.detokenizer.finalize()
-            self._emit_and_finish(seq, seq.detokenizer.text, [token], FinishReason.STOP)
+            self._emit_and_finish(seq, seq.detokenizer.text, [token], FinishReason.STOP, logprob)
             return
         seq.detokenizer.add_token(token)
         text = seq.detokenizer.text
         for stop in params.stop:
             at = text.find(stop, max(0, seq.emitted_chars - len(stop)))
             if at >= 0:
-                self._emit_and_finish(seq, text[:at], [token], FinishReason.STOP)
+                self._emit_and_finish(seq, text[:at], [token], FinishReason.STOP, logprob)
                 return
         if seq.matcher is not None and seq.matcher.is_stopped():  # the grammar is complete
             seq.detokenizer.finalize()
-            self._emit_and_finish(seq, seq.detokenizer.text, [token], FinishReason.STOP)
+            self._emit_and_finish(seq, seq.detokenizer.text, [token], FinishReason.STOP, logprob)
             return
         if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.max_context:
             seq.detokenizer.finalize()
-            self._emit_and_finish(seq, seq.detokenizer.text, [token], FinishReason.LENGTH)
+            self._emit_and_finish(seq, seq.detokenizer.text, [token], FinishReason.LENGTH, logprob)
             return
         # Hold back what could still become a stop string, so it is never shown.
         hold = max((len(s) - 1 for s in params.stop), default=0)
-        self._emit(seq, text[: len(text) - hold] if hold else text, [token])
+        self._emit(seq, text[: len(text) - hold] if hold else text, [token], logprob)
 
     def end_at_pool_limit(self, seq: Sequence, capacity_tokens: int) -> None:
         """End a reply that outgrew the whole KV pool: ``length``, with all its text (what
@@ -106,17 +108,19 @@ class Output:
         for request in list(self.requests.values()):
             self.finish_request(request, reason, error)
 
-    def _emit(self, seq: Sequence, text: str, token_ids: list[int]) -> None:
+    def _emit(self, seq: Sequence, text: str, token_ids: list[int],
+              logprob: TokenLogprob | None = None) -> None:
         delta = text[seq.emitted_chars :]
         seq.emitted_chars = max(seq.emitted_chars, len(text))
         seq.text = text
         seq.request.handle._push(
-            TokenEvent(seq.request.request_id, seq.session_id, seq.index, delta, tuple(token_ids))
+            TokenEvent(seq.request.request_id, seq.session_id, seq.index, delta, tuple(token_ids),
+                       (logprob,) if logprob is not None else None)
         )
 
     def _emit_and_finish(self, seq: Sequence, text: str, token_ids: list[int],
-                         reason: FinishReason) -> None:
-        self._emit(seq, text, token_ids)
+                         reason: FinishReason, logprob: TokenLogprob | None = None) -> None:
+        self._emit(seq, text, token_ids, logprob)
         seq.text = text
         self.finish(seq, reason)
 

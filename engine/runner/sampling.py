@@ -113,6 +113,9 @@ class Layout:
         #: where each sampled row's uniform sits in [keyed ..., shared ...]
         self.uniform_order = (None if perm == list(range(len(perm)))
                               else mx.array(perm, dtype=mx.int32))
+        #: each row's ``logprobs`` (None: it reports none; all None: the step reports none)
+        self.logprob_tops = (tuple(p.logprobs for p in params)
+                             if any(p.logprobs is not None for p in params) else None)
         #: the sampled rows, in draw order (None: every row, in order)
         self.sampled = (None if order == list(range(self.size))
                         else mx.array(order, dtype=mx.int32))

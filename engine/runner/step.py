@@ -34,6 +34,7 @@ from engine.events import FinishReason
 from engine.kv.block_table import PENDING
 from engine.kv.pool import KVPool
 from engine.runner.constraints import apply_bitmask
+from engine.runner.logprobs import PendingLogprobs, pending_logprobs
 from engine.runner.model_adapter import PagedModel
 from engine.runner.output import Output
 from engine.runner.sampling import Layout, RowState, SamplingRow, draw, host_windows, sample_rows
@@ -71,6 +72,7 @@ class Launched:
     next_state: RowState  # after it: this step's tokens in the windows, the keys split
     number: int  # launches counted from 1: which of two steps drew later
     constrained: bool = False  # some row was masked by its grammar: read before the next
+    logprobs: PendingLogprobs | None = None  # for the rows that asked
 
     def row_of(self, seq: Sequence) -> int:
         return self.index[id(seq)]
@@ -205,20 +207,26 @@ class StepRunner:
             return None
         if owners != list(range(logits.shape[0])):
             logits = logits[mx.array(owners, dtype=mx.int32)]
+        raw = logits
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if constrained:
             logits = self._constrain(logits, [seqs[i] for i in constrained], constrained)
         layout, state = self._row_state(seqs, rows)
         tokens, next_state = draw(layout, logits, state)
+        logprobs = None
+        if layout.logprob_tops is not None:
+            logprobs = pending_logprobs(raw, tokens, layout.logprob_tops)
         t2 = time.perf_counter()
-        mx.async_eval(tokens, [a for a in (next_state.windows, next_state.keys) if a is not None])
+        mx.async_eval(tokens, [a for a in (next_state.windows, next_state.keys) if a is not None],
+                      logprobs.arrays() if logprobs is not None else [])
         self._times.sample += t2 - t1
         self._times.forward += time.perf_counter() - t2  # on the CPU it runs right here
         for s in seqs:
             s.inflight += 1
         self._launches += 1
         self._last = Launched(list(plan.works), fanout, seqs, rows, tokens, layout, state,
-                              next_state, self._launches, constrained=bool(constrained))
+                              next_state, self._launches, constrained=bool(constrained),
+                              logprobs=logprobs)
         return self._last
 
     def _constrain(self, logits: mx.array, seqs: list[Sequence], rows: list[int]) -> mx.array:
@@ -338,13 +346,18 @@ class StepRunner:
             return
         t1 = time.perf_counter()
         self._times.forward += t1 - t0
-        for seq, token in zip(launched.seqs, values):
-            self._accept(seq, token)
+        if launched.logprobs is None:
+            for seq, token in zip(launched.seqs, values):
+                self._accept(seq, token)
+        else:
+            entries = launched.logprobs.read(values)
+            for row, (seq, token) in enumerate(zip(launched.seqs, values)):
+                self._accept(seq, token, entries.get(row))
         self._times.bookkeeping += time.perf_counter() - t1
 
-    def _accept(self, seq: Sequence, token: int) -> None:
+    def _accept(self, seq: Sequence, token: int, logprob=None) -> None:
         self.scheduler.resolve(seq, token)
-        self._guard(seq, self.output.accept_token, seq, token)
+        self._guard(seq, self.output.accept_token, seq, token, logprob)
 
     def _rerun(self, launched: Launched) -> None:
         self._drop_carry()  # each sequence's token is resolved as it is accepted again
@@ -391,7 +404,11 @@ class StepRunner:
             token = self._guard(s, self._sample_one, s, row_logits, row,
                                 self._launches if number is None else number)
             if token is not None:
-                self._accept(s, token)
+                entry = None
+                if row.params.logprobs is not None:
+                    entry = self._guard(s, _logprob_alone, logits[0:1], token,
+                                        row.params.logprobs)
+                self._accept(s, token, entry)
 
     def _sample_one(self, seq: Sequence, logits: mx.array, row: SamplingRow,
                     number: int) -> int:
@@ -409,3 +426,9 @@ class StepRunner:
             logger.exception("request %s failed", seq.request.request_id)
             self.output.finish(seq, FinishReason.ERROR, describe(e))
             return None
+
+
+def _logprob_alone(logits: mx.array, token: int, top: int):
+    """One row's log-probability entry, synchronously (a sequence run on its own)."""
+    pending = pending_logprobs(logits, mx.array([token], dtype=mx.int32), [top])
+    return pending.read([token])[0]
