@@ -67,7 +67,8 @@ class TokenEvent:
     index: int
     text: str
     token_ids: tuple[int, ...]
-    #: One entry per token of ``token_ids`` when the request asked for ``logprobs``.
+    #: One entry per token of ``token_ids`` when the request asked for ``logprobs`` (none
+    #: for the end-of-sequence token, which is not part of the reply's text).
     logprobs: tuple[TokenLogprob, ...] | None = None
 
 

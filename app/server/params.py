@@ -18,6 +18,8 @@ from app.server.errors import APIError
 from engine import DEFAULT_REPETITION_CONTEXT, Constraint, SamplingParams
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI's
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs, as OpenAI's
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -41,7 +43,7 @@ class ParsedRequest:
 def parse_chat(body: Any) -> ParsedRequest:
     body = _object(body)
     messages = _messages(body.get("messages"))
-    return _common(body, messages=messages)
+    return _common(body, logprobs=_chat_logprobs(body), messages=messages)
 
 
 def parse_completion(body: Any) -> ParsedRequest:
@@ -55,10 +57,27 @@ def parse_completion(body: Any) -> ParsedRequest:
     if best_of not in (None, 1) and best_of != body.get("n", 1):
         raise _unsupported("best_of")
     text, tokens = _prompt(body.get("prompt"))
-    return _common(body, prompt_text=text, prompt_tokens=tokens)
+    logprobs = _integer(body, "logprobs", None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise APIError(400, f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}], "
+                       f"got {logprobs}", param="logprobs", code="invalid_value")
+    return _common(body, logprobs=logprobs, prompt_text=text, prompt_tokens=tokens)
 
 
-def _common(body: dict, **prompt: Any) -> ParsedRequest:
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (true/false) and ``top_logprobs`` (0-20, needs logprobs)."""
+    wanted = _boolean(body, "logprobs", False)
+    top = _integer(body, "top_logprobs", None)
+    if top is not None and not wanted:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs",
+                       code="invalid_value")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                       f"got {top}", param="top_logprobs", code="invalid_value")
+    return (top or 0) if wanted else None
+
+
+def _common(body: dict, logprobs: int | None = None, **prompt: Any) -> ParsedRequest:
     for name in ("presence_penalty", "frequency_penalty"):
         value = _number(body, name, 0.0)
         if value != 0.0:
@@ -69,8 +88,6 @@ def _common(body: dict, **prompt: Any) -> ParsedRequest:
                 param=name,
                 code="unsupported_parameter",
             )
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise _unsupported("logprobs")
     if body.get("tools"):
         raise _unsupported("tools")
     if body.get("logit_bias"):
@@ -101,6 +118,7 @@ def _common(body: dict, **prompt: Any) -> ParsedRequest:
         # A placeholder until the prompt's length is known (see with_max_tokens).
         "max_tokens": max_tokens if max_tokens is not None else 1,
         "constraint": constraint,
+        "logprobs": logprobs,
     }
     try:
         params = SamplingParams(**values)

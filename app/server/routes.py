@@ -277,6 +277,7 @@ async def _submit_and_answer(state: _State, request: Request, engine: Engine,
                            code="invalid_value") from exc
     state.handles.add(handle)
     reply = Reply(chat=chat, model=model_id(engine.model_info.name), n=params.n,
+                  token_text=lambda token: engine.decode([token]),
                   include_usage=parsed.include_usage)
     events = handle.stream()
     handed_over = False

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from engine import FinalEvent, FinishReason, TokenEvent
+from engine.events import TokenLogprob
 
 # The engine's reasons -> OpenAI's; "cancelled" (the server is shutting down) has no OpenAI
 # equivalent and is passed through so a client can tell a cut reply from a finished one.
@@ -34,6 +35,10 @@ class Reply:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     finals: dict[int, FinalEvent] = field(default_factory=dict)
+    #: a token id's text (the engine's decode of it alone), for log-probabilities
+    token_text: Callable[[int], str] = str
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    text_offsets: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -73,7 +78,7 @@ class Reply:
             choice: dict = {
                 "index": index,
                 "finish_reason": FINISH_REASONS[final.finish_reason],
-                "logprobs": None,
+                "logprobs": self._logprobs(self.logprobs.get(index), offset=0),
             }
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": final.text}
@@ -106,13 +111,43 @@ class Reply:
         return json.dumps(chunk, ensure_ascii=False)
 
     def _choice(self, index: int, text: str | None, finish: str | None,
-                role: bool = False) -> dict:
+                role: bool = False, logprobs: list[TokenLogprob] | None = None) -> dict:
+        entries = self._logprobs(logprobs, offset=self.text_offsets.get(index, 0))
+        if logprobs and not self.chat:
+            self.text_offsets[index] = self.text_offsets.get(index, 0) + sum(
+                len(self.token_text(e.token_id)) for e in logprobs)
         if self.chat:
             delta: dict = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": entries}
+        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": entries}
+
+    # ---- log-probabilities ------------------------------------------------------------------
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _logprobs(self, entries: list[TokenLogprob] | None, offset: int) -> dict | None:
+        """OpenAI's logprobs object for ``entries`` (None when the request asked for none):
+        chat's ``content`` list, or completions' parallel lists, their text offsets counted
+        from ``offset``."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [
+                {**self._entry(e.token_id, e.logprob),
+                 "top_logprobs": [self._entry(t, v) for t, v in e.top]} for e in entries],
+                "refusal": None}
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.token_text(t): v for t, v in e.top} for e in entries],
+                "text_offset": offsets}
 
     def opening_chunks(self) -> list[str]:
         """Chat streams start with the assistant role for each choice, as OpenAI's do."""
@@ -122,6 +157,11 @@ class Reply:
 
     def event_chunks(self, event: TokenEvent | FinalEvent) -> list[str]:
         if isinstance(event, TokenEvent):
+            if event.logprobs is not None:
+                self.logprobs.setdefault(event.index, []).extend(event.logprobs)
+                # a held-back token (a possible stop string) still reports its logprob
+                return [self._chunk([self._choice(event.index, event.text, None,
+                                                  logprobs=list(event.logprobs))])]
             return [self._chunk([self._choice(event.index, event.text, None)])] if event.text \
                 else []
         self.finals[event.index] = event

@@ -42,9 +42,9 @@ class Output:
             self.finish(seq, FinishReason.ERROR,
                         f"the reply left its constraint: {seq.matcher.get_error()}")
             return
-        if token in self.eos_ids:
+        if token in self.eos_ids:  # not part of the reply's text: no log-probability either
             seq.detokenizer.finalize()
-            self._emit_and_finish(seq, seq.detokenizer.text, [token], FinishReason.STOP, logprob)
+            self._emit_and_finish(seq, seq.detokenizer.text, [token], FinishReason.STOP)
             return
         seq.detokenizer.add_token(token)
         text = seq.detokenizer.text
