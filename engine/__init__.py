@@ -27,6 +27,8 @@ from engine.events import (
     SequenceState,
     SessionStats,
     TokenEvent,
+    TokenLogprob,
+    ToolCallFormat,
     Usage,
 )
 from engine.handle import RequestHandle
@@ -58,6 +60,8 @@ __all__ = [
     "SequenceState",
     "SessionStats",
     "TokenEvent",
+    "TokenLogprob",
+    "ToolCallFormat",
     "Usage",
     "blocks_for_budget",
     "cache_dir",

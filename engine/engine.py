@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from engine.config import EngineConfig, Priority, SamplingParams, check_top_k, checked_priority
 from engine.errors import ModelLoadError
-from engine.events import EngineStatus, FinishReason, ModelInfo, PoolSnapshot
+from engine.events import EngineStatus, FinishReason, ModelInfo, PoolSnapshot, ToolCallFormat
 from engine.handle import RequestHandle
 from engine.loading import Runtime, load_runtime
 from engine.requests import inbox
@@ -200,10 +200,21 @@ class Engine:
             return 0
         return len(apply_template(runtime.loaded.tokenizer, checked_messages(messages)))
 
-    def encode_chat(self, messages: Seq[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The token ids the engine would feed for ``messages`` (needs the model loaded)."""
+    def encode_chat(self, messages: Seq[dict], add_generation_prompt: bool = True,
+                    tools: Seq[dict] | None = None) -> list[int]:
+        """The token ids the engine would feed for ``messages`` (needs the model loaded);
+        ``tools``: function specs for a chat template that renders them."""
         return apply_template(self._tokenizer(), checked_messages(messages),
-                              add_generation_prompt)
+                              add_generation_prompt, list(tools) if tools else None)
+
+    def tool_call_format(self) -> ToolCallFormat | None:
+        """How this model writes a tool call, when mlx-lm knows its format (its tokenizer's
+        tool parser), else None (needs the model loaded)."""
+        tokenizer = self._tokenizer()
+        if not getattr(tokenizer, "has_tool_calling", False):
+            return None
+        return ToolCallFormat(tokenizer.tool_call_start, tokenizer.tool_call_end,
+                              tokenizer.tool_parser)
 
     def encode(self, text: str) -> list[int]:
         """The token ids of plain ``text``, no chat template (a raw completion prompt)."""

@@ -7,10 +7,11 @@ in the wrong chat.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
+from typing import Any
 
 
 class FinishReason(StrEnum):
@@ -46,6 +47,17 @@ class Usage:
     time_to_first_token_s: float | None
     total_time_s: float
     decode_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a model writes a tool call (mlx-lm's tool parser for its chat template): the
+    text between ``start`` and ``end`` is one call, and ``parse(text, tools)`` gives
+    ``{"name": ..., "arguments": ...}``."""
+
+    start: str
+    end: str
+    parse: Callable[[str, Any], dict]
 
 
 @dataclass(frozen=True)

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (test functions take the imported fixtures by name)
 """``logprobs`` through ``pagedchat serve`` with the official ``openai`` client, chat and
 completions, streamed and not.
 
@@ -12,14 +13,16 @@ import pytest
 
 from tests.reference import chat_prompt, reference_model
 from tests.test_logprobs import LOGIT_TOL, reference_logprobs
-from tests.test_server import client, engine, model_id, server, user  # noqa: F401 (fixtures)
+
+# The server fixtures of tests/test_server.py (one engine and server for these tests too).
+from tests.test_server import client, engine, model_id, server, user  # noqa: F401
 
 pytestmark = pytest.mark.model
 
 QUESTION = "Name a large city in Japan."
 
 
-def test_chat_logprobs_match_the_model_streamed_and_not(client, engine):  # noqa: F811
+def test_chat_logprobs_match_the_model_streamed_and_not(client, engine):
     reply = client.chat.completions.create(
         model=model_id(engine), messages=user(QUESTION), temperature=0, max_tokens=12,
         logprobs=True, top_logprobs=3)
@@ -44,7 +47,7 @@ def test_chat_logprobs_match_the_model_streamed_and_not(client, engine):  # noqa
         (e.token, round(e.logprob, 5)) for e in content]
 
 
-def test_completion_logprobs_have_tokens_offsets_and_alternatives(client, engine):  # noqa: F811
+def test_completion_logprobs_have_tokens_offsets_and_alternatives(client, engine):
     reply = client.completions.create(model=model_id(engine), prompt="The capital of France is",
                                       temperature=0, max_tokens=6, logprobs=2)
     lp = reply.choices[0].logprobs
@@ -55,7 +58,7 @@ def test_completion_logprobs_have_tokens_offsets_and_alternatives(client, engine
                for top, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
-def test_no_logprobs_unless_asked(client, engine):  # noqa: F811
+def test_no_logprobs_unless_asked(client, engine):
     reply = client.chat.completions.create(model=model_id(engine), messages=user(QUESTION),
                                            temperature=0, max_tokens=4)
     assert reply.choices[0].logprobs is None
@@ -66,13 +69,13 @@ def test_no_logprobs_unless_asked(client, engine):  # noqa: F811
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": "yes"}, "logprobs"),
 ])
-def test_bad_logprobs_get_400_naming_them(client, engine, fields, param):  # noqa: F811
+def test_bad_logprobs_get_400_naming_them(client, engine, fields, param):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=model_id(engine), messages=user("hi"), **fields)
     assert caught.value.body["param"] == param
 
 
-def test_bad_completion_logprobs_get_400(client, engine):  # noqa: F811
+def test_bad_completion_logprobs_get_400(client, engine):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=model_id(engine), prompt="x", logprobs=6)
     assert caught.value.body["param"] == "logprobs"

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (test functions take the imported fixtures by name)
 """Structured output through ``pagedchat serve`` with the official ``openai`` client:
 ``response_format`` json_schema (strict) and json_object, streamed and not.
 
@@ -17,7 +18,9 @@ import pytest
 
 from tests.test_constrained_engine import CAT
 from tests.test_constraints import random_schema
-from tests.test_server import client, engine, model_id, server, user  # noqa: F401 (fixtures)
+
+# The server fixtures of tests/test_server.py (one engine and server for these tests too).
+from tests.test_server import client, engine, model_id, server, user  # noqa: F401
 
 pytestmark = pytest.mark.model
 
@@ -27,7 +30,7 @@ def schema_format(schema: dict, name: str = "answer") -> dict:
                                                    "strict": True}}
 
 
-def test_a_json_schema_reply_validates_streamed_and_not(client, engine):  # noqa: F811
+def test_a_json_schema_reply_validates_streamed_and_not(client, engine):
     ask = user("Describe a cat as JSON: its name, age, colour and toys.")
     reply = client.chat.completions.create(
         model=model_id(engine), messages=ask, temperature=0, max_tokens=150,
@@ -42,7 +45,7 @@ def test_a_json_schema_reply_validates_streamed_and_not(client, engine):  # noqa
     assert streamed == content
 
 
-def test_twenty_random_schemas_each_get_a_reply_that_validates(client, engine):  # noqa: F811
+def test_twenty_random_schemas_each_get_a_reply_that_validates(client, engine):
     schemas = []
     for seed in range(20):
         schema = random_schema(random.Random(seed))
@@ -64,7 +67,7 @@ def test_twenty_random_schemas_each_get_a_reply_that_validates(client, engine): 
         jsonschema.validate(json.loads(content), schema)
 
 
-def test_json_object_replies_are_objects(client, engine):  # noqa: F811
+def test_json_object_replies_are_objects(client, engine):
     reply = client.chat.completions.create(
         model=model_id(engine), messages=user("Give me a JSON object about Paris."),
         temperature=0, max_tokens=200, response_format={"type": "json_object"})
@@ -81,7 +84,7 @@ def test_json_object_replies_are_objects(client, engine):  # noqa: F811
     (schema_format({"type": "object", "properties": {"a": {"type": "nope"}}}),
      "response_format"),
 ])
-def test_a_bad_response_format_gets_400_naming_it(client, engine, response_format,  # noqa: F811
+def test_a_bad_response_format_gets_400_naming_it(client, engine, response_format,
                                                   param):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=model_id(engine), messages=user("hi"),

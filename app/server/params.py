@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.server.errors import APIError
+from app.server.tools import ToolUse, parse_tools
 from engine import DEFAULT_REPETITION_CONTEXT, Constraint, SamplingParams
 
 MAX_STOP_STRINGS = 4
@@ -38,12 +39,16 @@ class ParsedRequest:
     messages: list[dict] | None = None
     prompt_text: str | None = None
     prompt_tokens: list[int] | None = None
+    #: chat only: the messages as sent (their tool calls and results) and the tools
+    raw_messages: list | None = None
+    tool_use: ToolUse | None = None
 
 
 def parse_chat(body: Any) -> ParsedRequest:
     body = _object(body)
     messages = _messages(body.get("messages"))
-    return _common(body, logprobs=_chat_logprobs(body), messages=messages)
+    return _common(body, logprobs=_chat_logprobs(body), messages=messages,
+                   raw_messages=body["messages"], tool_use=parse_tools(body))
 
 
 def parse_completion(body: Any) -> ParsedRequest:
@@ -56,6 +61,8 @@ def parse_completion(body: Any) -> ParsedRequest:
     best_of = body.get("best_of")
     if best_of not in (None, 1) and best_of != body.get("n", 1):
         raise _unsupported("best_of")
+    if body.get("tools"):
+        raise _unsupported("tools")  # a chat feature: /v1/chat/completions takes them
     text, tokens = _prompt(body.get("prompt"))
     logprobs = _integer(body, "logprobs", None)
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
@@ -88,8 +95,6 @@ def _common(body: dict, logprobs: int | None = None, **prompt: Any) -> ParsedReq
                 param=name,
                 code="unsupported_parameter",
             )
-    if body.get("tools"):
-        raise _unsupported("tools")
     if body.get("logit_bias"):
         raise _unsupported("logit_bias")
     constraint = _response_format(body.get("response_format"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 from collections.abc import Callable
@@ -29,6 +30,15 @@ from app.server.errors import APIError
 from app.server.keys import bearer_matches
 from app.server.params import ParsedRequest, parse_chat, parse_completion, with_max_tokens
 from app.server.streaming import Reply, sse_events
+from app.server.tools import (
+    COMMON_END,
+    COMMON_START,
+    CallSplitter,
+    CallSyntax,
+    call_constraint,
+    tool_messages,
+    with_tool_hint,
+)
 from engine import Engine, FinalEvent, FinishReason, Priority, RequestHandle
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
@@ -197,13 +207,40 @@ def _check_model(engine: Engine, state: _State, parsed: ParsedRequest) -> None:
                        code="model_not_found")
 
 
-async def _prompt_tokens(engine: Engine, parsed: ParsedRequest) -> list[int]:
+@dataclass
+class _Prompt:
+    tokens: list[int]
+    syntax: CallSyntax | None = None  # how the reply writes tool calls (None: not parsed)
+
+
+def _chat_prompt(engine: Engine, parsed: ParsedRequest) -> _Prompt:
+    """The chat's prompt, with its tools (app/server/tools.py): through the model's own
+    template and call format when it has both, else described in the common format."""
+    use = parsed.tool_use
+    fmt = engine.tool_call_format()
+    native = fmt is not None and (use is None or engine.encode_chat(
+        parsed.messages, tools=use.tools) != engine.encode_chat(parsed.messages))
+    messages = tool_messages(parsed.messages, parsed.raw_messages or [], native)
+    if use is None or use.choice == "none":
+        return _Prompt(engine.encode_chat(messages))
+    if native:
+        tokens = engine.encode_chat(messages, tools=use.tools)
+        syntax = CallSyntax(fmt.start, fmt.end, fmt)
+    else:
+        tokens = engine.encode_chat(with_tool_hint(messages, use))
+        syntax = CallSyntax(COMMON_START, COMMON_END, None)
+    if use.forced:  # the grammar writes JSON calls between the common markers
+        syntax = CallSyntax(COMMON_START, COMMON_END, None)
+    return _Prompt(tokens, syntax)
+
+
+async def _prompt_tokens(engine: Engine, parsed: ParsedRequest) -> _Prompt:
     if parsed.prompt_tokens is not None:
-        return parsed.prompt_tokens
+        return _Prompt(parsed.prompt_tokens)
     try:
         if parsed.messages is not None:
-            return await asyncio.to_thread(engine.encode_chat, parsed.messages)
-        return await asyncio.to_thread(engine.encode, parsed.prompt_text)
+            return await asyncio.to_thread(_chat_prompt, engine, parsed)
+        return _Prompt(await asyncio.to_thread(engine.encode, parsed.prompt_text))
     except Exception as exc:
         param = "messages" if parsed.messages is not None else "prompt"
         raise APIError(400, f"the {param} could not be tokenised for this model: {exc}",
@@ -256,7 +293,8 @@ async def _generate(state: _State, request: Request, chat: bool) -> Response:
 
 async def _submit_and_answer(state: _State, request: Request, engine: Engine,
                              parsed: ParsedRequest, chat: bool) -> Response:
-    tokens = await _prompt_tokens(engine, parsed)
+    prompt = await _prompt_tokens(engine, parsed)
+    tokens = prompt.tokens
     limit = engine.model_info.max_context
     param = "messages" if chat else "prompt"
     if len(tokens) >= limit:
@@ -264,6 +302,13 @@ async def _submit_and_answer(state: _State, request: Request, engine: Engine,
                        f"limit is {limit}: shorten it", param=param,
                        code="context_length_exceeded")
     params = with_max_tokens(parsed, len(tokens), limit)
+    use = parsed.tool_use
+    if use is not None and use.forced:
+        if params.constraint is not None:
+            raise APIError(400, "response_format cannot be combined with a required tool call",
+                           param="response_format", code="invalid_value")
+        params = dataclasses.replace(params, constraint=call_constraint(
+            use, prompt.syntax.start, prompt.syntax.end))
     # API requests are background work: the chats in front of the user go first.
     submit = functools.partial(engine.submit, prompt_tokens=tokens, params=params,
                                session_id=session_for(parsed.user), priority=Priority.BACKGROUND)
@@ -273,11 +318,13 @@ async def _submit_and_answer(state: _State, request: Request, engine: Engine,
         try:
             handle = await asyncio.to_thread(submit)
         except ValueError as exc:
-            raise APIError(400, str(exc), param="response_format",
-                           code="invalid_value") from exc
+            param = "tools" if use is not None and use.forced else "response_format"
+            raise APIError(400, str(exc), param=param, code="invalid_value") from exc
     state.handles.add(handle)
     reply = Reply(chat=chat, model=model_id(engine.model_info.name), n=params.n,
                   token_text=lambda token: engine.decode([token]),
+                  splitter=(None if prompt.syntax is None else
+                            functools.partial(CallSplitter, prompt.syntax, list(use.tools))),
                   include_usage=parsed.include_usage)
     events = handle.stream()
     handed_over = False

@@ -12,9 +12,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from engine import FinalEvent, FinishReason, TokenEvent
-from engine.events import TokenLogprob
+from engine import FinalEvent, FinishReason, TokenEvent, TokenLogprob
 
 # The engine's reasons -> OpenAI's; "cancelled" (the server is shutting down) has no OpenAI
 # equivalent and is passed through so a client can tell a cut reply from a finished one.
@@ -39,6 +39,10 @@ class Reply:
     token_text: Callable[[int], str] = str
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     text_offsets: dict[int, int] = field(default_factory=dict)
+    #: a new CallSplitter (app/server/tools.py) when the reply may hold tool calls
+    splitter: Callable[[], Any] | None = None
+    _splitters: dict[int, Any] = field(default_factory=dict)
+    _content: dict[int, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -82,6 +86,14 @@ class Reply:
             }
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": final.text}
+                if self.splitter is not None:
+                    splitter = self._split(index)
+                    content, _ = splitter.feed("", final=True)
+                    text = "".join(self._content.get(index, [])) + content
+                    choice["message"]["content"] = text if text or not splitter.calls else None
+                    if splitter.calls:
+                        choice["message"]["tool_calls"] = splitter.calls
+                        choice["finish_reason"] = self._finish(final)
             else:
                 choice["text"] = final.text
             choices.append(choice)
@@ -156,6 +168,8 @@ class Reply:
         return [self._chunk([self._choice(i, "", None, role=True)]) for i in range(self.n)]
 
     def event_chunks(self, event: TokenEvent | FinalEvent) -> list[str]:
+        if isinstance(event, TokenEvent) and self.splitter is not None:
+            return self._split_chunks(event)
         if isinstance(event, TokenEvent):
             if event.logprobs is not None:
                 self.logprobs.setdefault(event.index, []).extend(event.logprobs)
@@ -170,8 +184,47 @@ class Reply:
                 "message": event.error or "generation failed", "type": "server_error",
                 "param": None, "code": "generation_failed",
             }})]
+        calls = []
+        if self.splitter is not None:  # the rest of the text: content, or a last call
+            content, calls = self._split(event.index).feed("", final=True)
+            self._content.setdefault(event.index, []).append(content)
+            chunks = [self._chunk([self._choice(event.index, content, None)])] if content \
+                else []
+            chunks += self._call_chunks(event.index, calls)
+            return [*chunks, self._chunk([self._choice(event.index, None, self._finish(event))])]
         return [self._chunk([self._choice(event.index, None if self.chat else "",
                                           FINISH_REASONS[event.finish_reason])])]
+
+    # ---- tool calls -------------------------------------------------------------------------
+
+    def _split(self, index: int):
+        if index not in self._splitters:
+            self._splitters[index] = self.splitter()
+        return self._splitters[index]
+
+    def _finish(self, final: FinalEvent) -> str:
+        """``tool_calls`` when the sample called a tool and ended on its own."""
+        splitter = self._splitters.get(final.index)
+        if splitter is not None and splitter.calls and final.finish_reason == FinishReason.STOP:
+            return "tool_calls"
+        return FINISH_REASONS[final.finish_reason]
+
+    def _split_chunks(self, event: TokenEvent) -> list[str]:
+        """A token event of a reply that may call tools: its content as far as it is sure
+        not to start a call, then each call it completed (one delta with the whole call)."""
+        content, calls = self._split(event.index).feed(event.text)
+        self._content.setdefault(event.index, []).append(content)
+        chunks = [self._chunk([self._choice(event.index, content, None)])] if content else []
+        return chunks + self._call_chunks(event.index, calls)
+
+    def _call_chunks(self, index: int, calls: list[dict]) -> list[str]:
+        done = len(self._splitters[index].calls) - len(calls)
+        chunks = []
+        for k, call in enumerate(calls):
+            delta = {"tool_calls": [{"index": done + k, **call}]}
+            chunks.append(self._chunk([{"index": index, "delta": delta, "finish_reason": None,
+                                        "logprobs": None}]))
+        return chunks
 
     def closing_chunks(self) -> list[str]:
         tail = [self._chunk([], usage=self.usage())] if self.include_usage else []

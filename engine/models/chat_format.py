@@ -21,12 +21,14 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = True
-                ) -> list[int]:
+def encode_chat(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = True,
+                tools: Sequence[dict] | None = None) -> list[int]:
     """Prompt token ids of ``messages`` under the model's chat template (see module doc).
 
-    ``tokenizer`` is mlx-lm's TokenizerWrapper or a transformers tokenizer.
+    ``tokenizer`` is mlx-lm's TokenizerWrapper or a transformers tokenizer; ``tools``
+    (OpenAI-style function specs) go to the template, which renders them if it knows how.
     """
+    extra = {"tools": list(tools)} if tools else {}
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     messages = [dict(m) for m in messages]
     if not getattr(tokenizer, "chat_template", None):
@@ -48,9 +50,9 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict], add_generation_prompt:
             m["content"] = pattern.sub(hide, content)
     if not typed:
         return list(tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt))
+            messages, add_generation_prompt=add_generation_prompt, **extra))
     text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
     restore = re.compile(re.escape(marker) + r"(\d+)" + re.escape(marker))
     return encode_segmented(hf, text, lambda piece: restore.sub(
         lambda m: typed[int(m.group(1))], piece))

@@ -17,10 +17,11 @@ from engine.sched.sequence import Request, Sequence
 
 
 def apply_template(tokenizer: Any, messages: list[dict],
-                   add_generation_prompt: bool = True) -> list[int]:
+                   add_generation_prompt: bool = True, tools: list[dict] | None = None
+                   ) -> list[int]:
     """The model's chat template when it has one, else a plain "role: content" layout;
     message text is always tokenized as text (engine/models/chat_format.py)."""
-    return encode_chat(tokenizer, messages, add_generation_prompt)
+    return encode_chat(tokenizer, messages, add_generation_prompt, tools)
 
 
 def admit(
