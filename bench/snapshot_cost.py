@@ -79,7 +79,7 @@ def busy_pool(num_blocks: int, sequences: int, seed: int = 0):
                            detokenizer=None, table=t, state=SequenceState.DECODING,
                            inflight=True)
             request.sequences.append(seq)
-            scheduler.running.append(seq)
+            scheduler.running[seq.seq_id] = seq
             made += 1
         requests.append(request)
     return alloc, scheduler, requests
@@ -101,7 +101,7 @@ def main() -> None:
     telemetry = Telemetry()
     now = time.perf_counter()
     for i in range(2000):  # two seconds of tokens, as the rates would have seen them
-        seq = scheduler.running[i % len(scheduler.running)]
+        seq = list(scheduler.running.values())[i % len(scheduler.running)]
         telemetry.token(seq.session_id, now - 2.0 + i / 1000)
     used = sum(1 for r in alloc.block_state()[1] if r)
     print(f"engine from {Path(sys.modules['engine.runner.telemetry'].__file__).parent.parent}")

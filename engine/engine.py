@@ -265,15 +265,18 @@ class Engine:
         while running:
             try:
                 running = self._drain_inbox(block=not rt.scheduler.has_work)
+                rt.stepper.release_finished()  # what the commands ended (cancels)
                 if running and rt.scheduler.has_work:
-                    rt.stepper.step()
+                    rt.stepper.step()  # it releases what it ended itself
                 self._publish(force=not rt.scheduler.has_work)
             except Exception:  # a bug outside any one request: fail what is running, go on
                 logger.exception("engine loop error")
                 message = traceback.format_exc(limit=2).strip().splitlines()[-1]
                 rt.output.finish_all(FinishReason.ERROR, f"engine error: {message}")
+                rt.stepper.release_finished()
         rt.stepper.discard_inflight()
         rt.output.finish_all(FinishReason.CANCELLED)
+        rt.stepper.release_finished()
         inbox.answer_queued(self._inbox, FinishReason.CANCELLED, "the engine stopped")
         self._publish(force=True)
 

@@ -87,7 +87,7 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry) -> Runtime:
     alloc = BlockAllocator(num_blocks, cfg.block_size)
     scheduler = Scheduler(alloc, cfg.max_batch, cfg.prefill_chunk)
     paged_model = PagedModel(loaded.model, pool, use_kernel=use_kernel)
-    output = Output(scheduler, telemetry, set(loaded.tokenizer.eos_token_ids), max_context)
+    output = Output(telemetry, set(loaded.tokenizer.eos_token_ids), max_context)
     prefill = PrefillBudget(cfg.prefill_chunk, MIN_PROMPT_TOKENS, cfg.prefill_target)
     stepper = StepRunner(scheduler, pool, paged_model, output, telemetry, prefill,
                          overlap=overlap_steps(cfg, mx.default_device() == mx.gpu))
@@ -117,7 +117,7 @@ def _fallback_runtime(cfg: EngineConfig, telemetry: Telemetry, loaded: LoadedMod
     logger.info("%s runs on mlx-lm's own cache: %s", loaded.model_type, reason)
     alloc = fallback.NoPool(cfg.block_size)
     scheduler = fallback.FallbackScheduler(cfg.max_batch)
-    output = Output(scheduler, telemetry, set(loaded.tokenizer.eos_token_ids), max_context)
+    output = Output(telemetry, set(loaded.tokenizer.eos_token_ids), max_context)
     stepper = fallback.FallbackRunner(loaded.model, scheduler, output, telemetry, max_context,
                                       cfg.prefill_chunk)
     info = ModelInfo(

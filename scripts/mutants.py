@@ -60,20 +60,21 @@ MUTANTS = (
              "windows = windows"),),
            ("tests/test_sampling_batched.py", "tests/test_overlap_sampling.py")),
     Mutant("a window rebuilt while its token is in flight leaves that token out",
-           "engine/runner/step.py",
-           (("            if s.inflight:  # its newest token is still on the device",
-             "            if False:"),),
+           "engine/runner/carry.py",
+           (("        if s.inflight:  # its newest token is still on the device",
+             "        if False:"),),
            ("tests/test_overlap_sampling.py",)),
     Mutant("overlap is off for penalised rows (sampling parameters force a synchronous step)",
            "engine/runner/step.py",
-           (("            if self.overlap:\n                self._inflight = launched",
-             "            if self.overlap and all(s.request.params.repetition_penalty == 1.0\n"
-             "                                    for s in launched.seqs):\n"
-             "                self._inflight = launched"),),
+           (("            if not self.overlap:\n                self._end_inflight()",
+             "            if not self.overlap or any(s.request.params.repetition_penalty != 1.0\n"
+             "                                       for s in launched.seqs):\n"
+             "                self._end_inflight()"),),
            ("tests/test_overlap_sampling.py",
             "tests/test_engine.py::test_overlapped_steps_equal_the_synchronous_path")),
-    Mutant("a step rerun late takes back the keys the next step moved on", "engine/runner/step.py",
-           (("        if number >= seq.key_from:", "        if True:"),),
+    Mutant("a step rerun late takes back the keys the next step moved on",
+           "engine/runner/carry.py",
+           (("    if number >= seq.key_from:", "    if True:"),),
            ("tests/test_overlap_sampling.py::"
             "test_a_step_rerun_after_the_next_was_launched_keeps_every_stream",)),
     Mutant("steps never overlap", "engine/runner/step.py",
@@ -84,8 +85,9 @@ MUTANTS = (
            (("seq.inflight = max(0, seq.inflight - 1)", "seq.inflight = 0"),),
            ("tests/test_overlap_sampling.py",)),
     Mutant("the batch is serialised: one sequence decodes per step", "engine/sched/scheduler.py",
-           (("            if seq not in self.running or seq.num_to_feed != 1:\n",
-             "            if seq not in self.running or seq.num_to_feed != 1 or scheduled:\n"),),
+           (("            if seq.seq_id not in self.running or seq.num_to_feed != 1:\n",
+             "            if seq.seq_id not in self.running or seq.num_to_feed != 1"
+             " or scheduled:\n"),),
            ("tests/test_engine.py::"
             "test_eight_chats_arriving_at_different_times_match_their_solo_runs",)),
     Mutant("no copy-on-write of a shared partial block", "engine/kv/blocks.py",
@@ -93,9 +95,9 @@ MUTANTS = (
              "                if False:\n                    copies.append"),),
            ("tests/test_engine.py::test_fork_after_prompt_copies_the_shared_partial_block",)),
     Mutant("a cancelled request keeps its blocks", "engine/runner/output.py",
-           (("        self.scheduler.remove(seq)\n        seq.state = SequenceState.FINISHED",
+           (("        self.finished.append(seq)\n        seq.state = SequenceState.FINISHED",
              "        if reason != FinishReason.CANCELLED:\n"
-             "            self.scheduler.remove(seq)\n"
+             "            self.finished.append(seq)\n"
              "        seq.state = SequenceState.FINISHED"),),
            ("tests/test_engine.py::"
             "test_cancel_frees_blocks_at_once_and_deleted_session_ends_cancelled",)),

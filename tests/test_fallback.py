@@ -150,7 +150,7 @@ def test_a_model_mlx_lm_cannot_batch_is_served_one_chat_at_a_time(tmp_path):
     loaded = load_folder(folder)
     sched = FallbackScheduler(max_batch=8)
     telemetry = Telemetry()
-    output = Output(sched, telemetry, set(loaded.tokenizer.eos_token_ids), 512)
+    output = Output(telemetry, set(loaded.tokenizer.eos_token_ids), 512)
     runner = FallbackRunner(loaded.model, sched, output, telemetry, 512, prefill_chunk=256)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     handles = []

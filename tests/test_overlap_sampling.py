@@ -189,7 +189,7 @@ def test_a_step_rerun_after_the_next_was_launched_keeps_every_stream(tiny: Path,
 
     def read(runner, launched):
         if launched.number == 6 and not failed:
-            assert runner._last is not None and runner._last.number == 7  # 7 is in flight
+            assert runner.carry.last is not None and runner.carry.last.number == 7  # 7 is in flight
             failed.append(launched.number)
             runner._rerun(launched)  # as _read does when the device fails
             return

@@ -81,7 +81,7 @@ def test_a_long_paste_takes_only_a_share_while_others_decode_and_all_of_it_alone
     assert long_steps and all(c <= budget for c in chunks) and max(chunks) == budget
     assert sum(chunks) == paste_tokens  # it finished: the share is guaranteed
     assert chat.state is SequenceState.DECODING
-    check_invariants(sched.alloc, [s.table for s in sched.running])
+    check_invariants(sched.alloc, [s.table for s in sched.running.values()])
 
 
 def test_background_prompts_yield_to_an_interactive_chat_but_not_to_each_other() -> None:
@@ -121,7 +121,7 @@ def test_a_full_pool_preempts_background_work_before_the_focused_chat() -> None:
     assert preempted == ["background"]
     assert background.waiting_reason == WAIT_PREEMPTED
     assert focused.state is SequenceState.DECODING
-    check_invariants(sched.alloc, [s.table for s in sched.running])
+    check_invariants(sched.alloc, [s.table for s in sched.running.values()])
 
 
 def test_set_priority_reaches_running_and_waiting_requests_of_that_chat_only() -> None:

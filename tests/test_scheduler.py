@@ -43,7 +43,7 @@ def test_long_prompt_is_split_into_budgeted_chunks_and_decoders_keep_running() -
         chunks.append(len(by_seq["long"].tokens))
         run(sched, plan)
     assert chunks == [8, 8, 8, 6]
-    check_invariants(sched.alloc, [s.table for s in sched.running])
+    check_invariants(sched.alloc, [s.table for s in sched.running.values()])
 
 
 def test_exhausted_pool_preempts_the_latest_admitted_and_keeps_its_tokens() -> None:
@@ -52,15 +52,16 @@ def test_exhausted_pool_preempts_the_latest_admitted_and_keeps_its_tokens() -> N
     sched.add(first)
     sched.add(second)
     run(sched, sched.schedule())  # both admitted: 2 blocks each, pool full
-    assert {s.session_id for s in sched.running} == {"a", "b"}
+    assert {s.session_id for s in sched.running.values()} == {"a", "b"}
     run(sched, sched.schedule())  # each fills its second block
     plan = sched.schedule()  # "a" needs a third block: "b" (admitted last) is preempted
     assert [s.session_id for s in plan.preempted] == ["b"]
     assert second.state is SequenceState.PREEMPTED and second.table is None
-    assert second.tokens == [9, 8, 7, 6, 5, 4, 3, 1, 1] and sched.waiting[0] is second
+    assert second.tokens == [9, 8, 7, 6, 5, 4, 3, 1, 1]
+    assert next(iter(sched.waiting.values())) is second  # first in the queue
     assert [w.seq.session_id for w in plan.works] == ["a"]
     assert sched.preemptions == 1
-    check_invariants(sched.alloc, [s.table for s in sched.running])
+    check_invariants(sched.alloc, [s.table for s in sched.running.values()])
 
 
 def test_identical_prompts_arriving_together_compute_their_prefix_once() -> None:
@@ -99,7 +100,7 @@ def test_batch_limit_leaves_the_rest_waiting_in_order() -> None:
         sched.add(seq)
     plan = sched.schedule()
     assert [w.seq for w in plan.works] == seqs[:2]
-    assert list(sched.waiting) == seqs[2:]
+    assert list(sched.waiting.values()) == seqs[2:]
 
 
 def test_short_prompt_arriving_during_a_long_one_is_admitted_at_once_and_finishes_first() -> None:
@@ -120,7 +121,7 @@ def test_short_prompt_arriving_during_a_long_one_is_admitted_at_once_and_finishe
     assert steps_to_first_token == 2  # half the budget on admission, then the rest
     assert long.state is SequenceState.PREFILLING  # the short one did not wait for it
     assert all(n >= 4 for n in long_progress)  # the long prompt still advanced every step
-    check_invariants(sched.alloc, [s.table for s in sched.running])
+    check_invariants(sched.alloc, [s.table for s in sched.running.values()])
 
 
 def test_a_token_in_flight_is_fed_as_pending_and_resolved_when_read() -> None:

@@ -141,7 +141,7 @@ def test_a_chunk_run_alone_after_a_failed_step_writes_without_empty_logits(tiny,
         def launch_isolating(plan):  # every step goes through the one-at-a-time path
             calls["n"] += 1
             for work in plan.works:
-                runner._run_alone(work, None)
+                runner._run_alone(work, plan.fanout(work))
             return None
 
         monkeypatch.setattr(runner, "_launch", launch_isolating)

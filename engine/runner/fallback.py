@@ -12,7 +12,9 @@ the paged scheduler (queue bookkeeping, which ``Output`` and the engine loop cal
 :class:`FallbackRunner` for the step runner. Admission, token acceptance (EOS, stop strings,
 ``max_tokens``), events, cancellation and the snapshot's sessions are the paged engine's own
 code, so both paths answer the public API identically. The BatchGenerator is told neither
-EOS nor stop strings: ``Output`` decides when a reply ends and removes it from the batch.
+EOS nor stop strings: ``Output`` decides when a reply ends, and the runner takes the ended
+replies out of the batch once the step is over (:meth:`FallbackRunner.release_finished`), as
+the paged runner does.
 """
 
 from __future__ import annotations
@@ -58,10 +60,10 @@ class NoPool:
 class FallbackScheduler:
     """Which sequences wait for the BatchGenerator and which run in it (by its uid).
 
-    Has the part of the paged scheduler's interface that ``Output`` and the engine loop use
+    Has the part of the paged scheduler's interface that the engine loop and the runner use
     (add, remove, has_work, steps, preemptions). The generator itself belongs to the runner;
-    a removed sequence is taken out of it at once (finish and cancel run on the engine
-    thread, between steps)."""
+    a removed sequence is taken out of it at once (the runner removes the sequences the
+    output ended on the engine thread, after a step or a round of commands)."""
 
     def __init__(self, max_batch: int) -> None:
         self.max_batch = max_batch
@@ -203,6 +205,7 @@ class FallbackRunner:
             message = f"generation failed: {type(e).__name__}: {e}"
             for seq in rows + list(sched.waiting):
                 self.output.finish(seq, FinishReason.ERROR, message)
+            self.release_finished()  # out of the old generator, before the new one
             self._new_generator()
             return
         forward = time.perf_counter() - start
@@ -220,10 +223,16 @@ class FallbackRunner:
                 logger.exception("fallback token handling failed")
                 self.output.finish(seq, FinishReason.ERROR,
                                    f"generation failed: {type(e).__name__}: {e}")
+        self.release_finished()
         sched.steps += 1
         total = time.perf_counter() - start
         self.telemetry.step(len(sched.by_uid), total,
                             StepTimes(forward=forward, bookkeeping=total - forward))
+
+    def release_finished(self) -> None:
+        """Take the replies the output ended out of the queue and the generator."""
+        for seq in self.output.take_finished():
+            self.scheduler.remove(seq)
 
     def discard_inflight(self) -> None:
         """At stop: give back what the generator holds (its wired-memory limit too)."""

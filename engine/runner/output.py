@@ -1,7 +1,12 @@
 """From sampled tokens to events: acceptance, EOS, stop strings, max_tokens, finishing, usage.
 
 Every sequence ends here exactly once (``finish`` is idempotent), with one final event after
-its last token event, and its blocks are handed back to the scheduler at that moment.
+its last token event. The output never calls the scheduler: an ended sequence is handed
+back in ``finished``, and the runner gives its blocks back in one place once the step (or
+the engine's round of commands) is over (``StepRunner.release_finished``): nothing else in
+the step frees or takes a block in between, so what the pool looks like after the step is
+the same, and the scheduler is called in the step only to plan it, commit it and resolve
+its tokens.
 """
 
 from __future__ import annotations
@@ -11,20 +16,19 @@ import time
 from engine.events import FinalEvent, FinishReason, SequenceState, TokenEvent, TokenLogprob, Usage
 from engine.handle import RequestHandle
 from engine.runner.telemetry import Telemetry
-from engine.sched.scheduler import Scheduler
 from engine.sched.sequence import Request, Sequence
 
 
 class Output:
     """The live requests, and the rules that turn their tokens into events."""
 
-    def __init__(self, scheduler: Scheduler, telemetry: Telemetry, eos_ids: set[int],
-                 max_context: int) -> None:
-        self.scheduler = scheduler
+    def __init__(self, telemetry: Telemetry, eos_ids: set[int], max_context: int) -> None:
         self.telemetry = telemetry
         self.eos_ids = eos_ids
         self.max_context = max_context
         self.requests: dict[str, Request] = {}
+        #: sequences ended since the runner last took them: they still hold their blocks
+        self.finished: list[Sequence] = []
 
     def accept_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None
                      ) -> None:
@@ -81,10 +85,11 @@ class Output:
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
                detail: str | None = None) -> None:
-        """End one sequence (no-op if it has ended): free its blocks, send its final event."""
+        """End one sequence (no-op if it has ended): send its final event, and hand it back
+        in ``finished`` for the runner to free its blocks."""
         if seq.finished:
             return
-        self.scheduler.remove(seq)
+        self.finished.append(seq)
         seq.state = SequenceState.FINISHED
         seq.finish_reason = reason
         request = seq.request
@@ -97,6 +102,11 @@ class Output:
                 self.finish(sibling, reason, error)
         if request.finished:
             self.requests.pop(request.request_id, None)
+
+    def take_finished(self) -> list[Sequence]:
+        """The sequences ended since the last call, in the order they ended."""
+        finished, self.finished = self.finished, []
+        return finished
 
     def finish_request(self, request: Request, reason: FinishReason,
                        error: str | None = None) -> None:

@@ -18,14 +18,18 @@ finishes; preemption takes the lowest priority first, then the latest admitted. 
 sequence left waiting carries the reason, for the monitor.
 
 It is the only user of the allocator besides the snapshot's read-only view: it also forks
-the samples of an n > 1 request when their shared prompt is done (:meth:`fork_samples`).
+the samples of an n > 1 request in the step that ends their shared prompt (the plan's
+``forks``: the runner samples them from that prompt's logits), and frees a finished
+sequence's blocks when the runner hands it back after the step (:meth:`remove`).
+
+The queues are dicts keyed by ``seq_id``, in order (admission order for ``running``, queue
+order for ``waiting``): membership and removal cost the same at 64 sequences as at 2.
 
 Pure bookkeeping on the allocator: no MLX here, so every decision is unit-testable.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import Priority
@@ -56,6 +60,14 @@ class StepPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
+    #: the samples of an n > 1 request forked in this step, by the seq_id of the sequence
+    #: whose prompt ended (they share its blocks and draw from its logits)
+    forks: dict[int, list[Sequence]] = field(default_factory=dict)
+
+    def fanout(self, work: SequenceWork) -> list[Sequence]:
+        """The sequences drawing a token from ``work``'s logits: its own, plus the samples
+        forked from it in this step."""
+        return [work.seq, *self.forks.get(work.seq.seq_id, ())]
 
 
 class Scheduler:
@@ -63,8 +75,10 @@ class Scheduler:
         self.alloc = allocator
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order
+        #: seq_id -> sequence, in queue order (a preempted one goes back to the front)
+        self.waiting: dict[int, Sequence] = {}
+        #: seq_id -> sequence, in admission order
+        self.running: dict[int, Sequence] = {}
         self.steps = 0
         self.preemptions = 0
 
@@ -72,36 +86,14 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.state = SequenceState.WAITING
-        self.waiting.append(seq)
-
-    def fork_samples(self, seq: Sequence) -> list[Sequence]:
-        """The sequences that draw from ``seq``'s logits: itself, plus its siblings the
-        first time a request with n > 1 reaches them (they fork from it, sharing its blocks,
-        and join the batch directly)."""
-        request = seq.request
-        if request.forked or request.params.n == 1:
-            return [seq]
-        request.forked = True
-        siblings = [seq]
-        for sibling in request.sequences[1:]:
-            if sibling.finished:
-                continue
-            sibling.tokens = list(seq.tokens)
-            sibling.table = self.alloc.fork(seq.table)
-            if seq.matcher is not None:  # at the prompt's end: the same grammar state
-                sibling.matcher = seq.matcher.deep_copy()
-            sibling.state = SequenceState.DECODING
-            sibling.admitted_at = seq.admitted_at
-            self.running.append(sibling)
-            siblings.append(sibling)
-        return siblings
+        self.waiting[seq.seq_id] = seq
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out (finished, cancelled, failed) and free its blocks at once."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        """Take a sequence out (finished, cancelled, failed) and free its blocks. The runner
+        calls it for the sequences the output ended, once their step is over
+        (``StepRunner.release_finished``)."""
+        if self.running.pop(seq.seq_id, None) is None:
+            self.waiting.pop(seq.seq_id, None)
         if seq.table is not None:
             self.alloc.free(seq.table)
             seq.table = None
@@ -119,13 +111,14 @@ class Scheduler:
     @property
     def decoding(self) -> bool:
         """Some running sequence needs just its next token (it would decode this step)."""
-        return any(seq.num_to_feed == 1 for seq in self.running)
+        return any(seq.num_to_feed == 1 for seq in self.running.values())
 
     @property
     def prompt_context(self) -> int:
         """The longest context a prompt under way continues from (0 when none is): what
         its next chunk's tokens attend to, so what they cost (engine/sched/prefill_budget.py)."""
-        return max((s.num_in_table for s in self.running if s.num_to_feed >= 2), default=0)
+        return max((s.num_in_table for s in self.running.values() if s.num_to_feed >= 2),
+                   default=0)
 
     def schedule(self, prompt_budget: int | None = None) -> StepPlan:
         """Plan one step; ``prompt_budget`` caps its prompt tokens (default: prefill_chunk).
@@ -142,8 +135,8 @@ class Scheduler:
         budget = self.prefill_chunk if prompt_budget is None else prompt_budget
         scheduled: set[int] = set()
 
-        for seq in list(self.running):
-            if seq not in self.running or seq.num_to_feed != 1:
+        for seq in list(self.running.values()):
+            if seq.seq_id not in self.running or seq.num_to_feed != 1:
                 continue
             if seq.inflight and seq.num_generated + 1 >= seq.request.params.max_tokens:
                 continue  # its token in flight is its last: nothing to compute after it
@@ -152,13 +145,14 @@ class Scheduler:
                 scheduled.add(seq.seq_id)
 
         share = max(1, int(budget * BACKGROUND_SHARE))
-        urgent = self._most_urgent()
-        mid_prompt = any(s.num_to_feed >= 2 for s in self.running)
+        mid_prompt = any(s.num_to_feed >= 2 for s in self.running.values())
+        # Only a prompt to read can yield: a step of decodes alone needs no ranking.
+        urgent = self._most_urgent() if mid_prompt or self.waiting else None
         admit_budget = max(1, budget // 2) if mid_prompt else budget
         budget -= self._admit(plan, min(budget, admit_budget), scheduled, urgent, share)
 
-        for seq in sorted(self.running, key=lambda s: (-self._rank(s), s.num_to_feed)):
-            if seq not in self.running or seq.seq_id in scheduled or seq.num_to_feed < 2:
+        for seq in sorted(self.running.values(), key=lambda s: (-self._rank(s), s.num_to_feed)):
+            if seq.seq_id not in self.running or seq.seq_id in scheduled or seq.num_to_feed < 2:
                 continue
             if budget <= 0:
                 seq.waiting_reason = WAIT_BUDGET
@@ -174,11 +168,36 @@ class Scheduler:
             self._reserve(seq, n, plan)
             scheduled.add(seq.seq_id)
             budget -= n
+        self._fork_samples(plan)
         return plan
+
+    def _fork_samples(self, plan: StepPlan) -> None:
+        """Fork the samples of every n > 1 request whose prompt this step ends: they copy
+        its tokens, share its blocks (the step's reservation included) and join the batch
+        decoding; the runner samples each from the prompt's logits (``plan.fanout``).
+        They join ``running`` in the order the step's batch lays out its logits (one-token
+        works first, engine/runner/step_batch.py), as when the runner forked them."""
+        ending = [w for w in plan.works if w.want_logits and not w.seq.request.forked
+                  and w.seq.request.params.n > 1]
+        for work in sorted(ending, key=lambda w: len(w.tokens) != 1):
+            seq, request = work.seq, work.seq.request
+            request.forked = True
+            forks = plan.forks[seq.seq_id] = []
+            for sibling in request.sequences[1:]:
+                if sibling.finished:
+                    continue
+                sibling.tokens = list(seq.tokens)
+                sibling.table = self.alloc.fork(seq.table)
+                if seq.matcher is not None:  # at the prompt's end: the same grammar state
+                    sibling.matcher = seq.matcher.deep_copy()
+                sibling.state = SequenceState.DECODING
+                sibling.admitted_at = seq.admitted_at
+                self.running[sibling.seq_id] = sibling
+                forks.append(sibling)
 
     def set_priority(self, session_id: str, priority: Priority) -> None:
         """Every live request of ``session_id`` (running or waiting) takes ``priority``."""
-        for seq in [*self.running, *self.waiting]:
+        for seq in [*self.running.values(), *self.waiting.values()]:
             if seq.session_id == session_id:
                 seq.request.priority = priority
 
@@ -191,9 +210,10 @@ class Scheduler:
 
     def _most_urgent(self) -> Priority | None:
         """The highest rank among the chats that will want this step (decoding, or with a
-        prompt to read), or None when there are none."""
-        ranks = [self._rank(s) for s in self.running]
-        ranks += [self._rank(s) for s in self.waiting]
+        prompt to read), or None when there are none. A walk over every sequence: asked
+        only in a step with a prompt to read."""
+        ranks = [self._rank(s) for s in self.running.values()]
+        ranks += [self._rank(s) for s in self.waiting.values()]
         return max(ranks, default=None)
 
     def _yields(self, seq: Sequence, urgent: Priority | None) -> bool:
@@ -210,7 +230,7 @@ class Scheduler:
         # Highest priority first, preempted sequences (they were running) before new ones,
         # then the shortest prompts: a batch of short chats arriving with a long paste all
         # start before it.
-        order = sorted(self.waiting, key=lambda s: (-self._rank(s),
+        order = sorted(self.waiting.values(), key=lambda s: (-self._rank(s),
                                                     s.state is not SequenceState.PREEMPTED,
                                                     s.length))
         blocked = ""  # once set, nothing later in the order is admitted this step
@@ -223,7 +243,7 @@ class Scheduler:
                 self._wait(seq, blocked)
                 continue
             if seq.length > self.capacity_tokens - 1:
-                self.waiting.remove(seq)
+                del self.waiting[seq.seq_id]
                 plan.failed.append((seq, self._too_long_message(seq.length)))
                 continue
             table = BlockTable(owner=seq.session_id)
@@ -242,14 +262,14 @@ class Scheduler:
                 self._wait(seq, blocked)
                 continue
             self.alloc.record_prefix_lookup(table, seq.tokens)
-            self.waiting.remove(seq)
+            del self.waiting[seq.seq_id]
             seq.table = table
             seq.admitted_at = self.steps
             if seq.state is SequenceState.WAITING and seq.num_generated == 0:
                 seq.request.cached_prompt_tokens = max(seq.request.cached_prompt_tokens, cached)
             seq.state = SequenceState.PREFILLING
             seq.waiting_reason = WAIT_YIELD if n == cap == share < seq.length - cached else ""
-            self.running.append(seq)
+            self.running[seq.seq_id] = seq
             self._reserve(seq, n, plan)
             scheduled.add(seq.seq_id)
             used += n
@@ -262,16 +282,21 @@ class Scheduler:
 
     def resolve(self, seq: Sequence, token: int) -> None:
         """``seq``'s oldest token in flight has been read: fill its PENDING slot, if it has
-        one (a newer token of ``seq`` may be in flight already: it stays counted)."""
+        one (a newer token of ``seq`` may be in flight already: it stays counted). A sequence
+        that has finished is left alone: its blocks go back as they are after the step."""
         seq.inflight = max(0, seq.inflight - 1)
         table = seq.table
-        if table is not None and table.tokens and table.tokens[-1] == PENDING:
+        if seq.finished or table is None:
+            return
+        if table.tokens and table.tokens[-1] == PENDING:
             self.alloc.resolve_pending(table, token)
 
     def commit(self, plan: StepPlan) -> None:
-        """The step ran: its slots now hold K/V (names the newly full blocks in the cache)."""
+        """The step ran: its slots now hold K/V (names the newly full blocks in the cache).
+        A sequence that finished during the step (its forward or its sampling failed, or the
+        step before it ended it) is skipped: its blocks go back after the step, unnamed."""
         for work in plan.works:
-            if work.seq.table is not None:
+            if not work.seq.finished and work.seq.table is not None:
                 self.alloc.mark_computed(work.seq.table)
                 if work.want_logits:
                     work.seq.state = SequenceState.DECODING
@@ -304,9 +329,10 @@ class Scheduler:
         False if ``seq`` itself was preempted or failed."""
         while self.alloc.blocks_needed(seq.table, n) > self.alloc.num_available:
             # The lowest priority first, then the latest admitted.
-            victim = max(self.running, key=lambda s: (-s.priority, s.admitted_at, s.seq_id))
+            victim = max(self.running.values(),
+                         key=lambda s: (-s.priority, s.admitted_at, s.seq_id))
             if victim is seq and len(self.running) == 1:
-                self.running.remove(seq)
+                del self.running[seq.seq_id]
                 plan.failed.append((seq, self._too_long_message(len(seq.tokens) + n)))
                 return False
             self._preempt(victim, plan)
@@ -315,7 +341,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        self.running.remove(seq)
+        del self.running[seq.seq_id]
         # Its reservations of this step, if any, go too: their slots are about to be freed.
         plan.works = [w for w in plan.works if w.seq is not seq]
         self.alloc.free(seq.table)
@@ -324,7 +350,7 @@ class Scheduler:
         seq.waiting_reason = WAIT_PREEMPTED
         seq.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting = {seq.seq_id: seq, **self.waiting}  # first in the queue (rare: O(n))
         plan.preempted.append(seq)
 
     def _too_long_message(self, tokens: int) -> str:
