@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
+from engine.runner.logprobs import PendingLogprobs
 from engine.runner.sampling import Layout, RowState, SamplingRow, host_windows
 from engine.sched.sequence import Sequence
 from engine.sched.work import SequenceWork
@@ -36,6 +37,8 @@ class Launched:
     state: RowState  # the rows' state before this step's draw
     next_state: RowState  # after it: this step's tokens in the windows, the keys split
     number: int  # launches counted from 1: which of two steps drew later
+    constrained: bool = False  # some row was masked by its grammar: read before the next
+    logprobs: PendingLogprobs | None = None  # for the rows that asked
 
     def row_of(self, seq: Sequence) -> int:
         return self.index[id(seq)]
