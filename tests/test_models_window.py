@@ -232,3 +232,19 @@ def test_show_in_files_opens_the_models_folder(window, tiny, hub, qtbot, monkeyp
     assert w.add_user_folder(tiny)
     qtbot.mouseClick(w.reveal_button, Qt.MouseButton.LeftButton)
     assert [u.toLocalFile() for u in opened] == [str(tiny)]
+
+
+def test_the_suggested_models_say_which_call_tools(window, hub, qtbot):
+    """The Models window's suggested list marks the models that call tools in their own
+    format, with a tooltip saying what that means, and includes at least one."""
+    w = open_models(window)
+    t = w.curated
+    column = t.COLUMNS.index("Tools")
+    marked = [t.models[r].repo_id for r in range(t.rowCount())
+              if t.data(t.index(r, column)) == "calls tools"]
+    assert marked and all("Qwen" in repo for repo in marked)
+    first = next(r for r in range(t.rowCount()) if t.models[r].tools)
+    tip = t.data(t.index(first, column), Qt.ItemDataRole.ToolTipRole)
+    assert "chat template knows tools" in tip
+    other = next(r for r in range(t.rowCount()) if not t.models[r].tools)
+    assert "not trained on them" in t.data(t.index(other, column), Qt.ItemDataRole.ToolTipRole)

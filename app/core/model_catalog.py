@@ -66,18 +66,25 @@ class CuratedModel:
     parameters: str
     size_gb: float
     note: str
+    #: It calls tools well: its chat template renders tools and mlx-lm parses its calls
+    #: (``<tool_call>`` JSON), so the server's function calling runs in its own format.
+    tools: bool = False
 
 
 CURATED: tuple[CuratedModel, ...] = (
-    CuratedModel("mlx-community/Qwen3-0.6B-4bit", "0.6B", 0.34, "fast, thinks step by step"),
+    CuratedModel("mlx-community/Qwen3-0.6B-4bit", "0.6B", 0.34, "fast, thinks step by step",
+                 tools=True),
     CuratedModel("mlx-community/Llama-3.2-1B-Instruct-4bit", "1B", 0.70, "general chat"),
     CuratedModel("mlx-community/gemma-3-1b-it-4bit", "1B", 0.73,
                  "runs on mlx-lm's cache (not paged)"),
-    CuratedModel("mlx-community/Qwen2.5-1.5B-Instruct-4bit", "1.5B", 0.87, "general chat"),
-    CuratedModel("mlx-community/Qwen3-1.7B-4bit", "1.7B", 0.97, "good reasoning for its size"),
+    CuratedModel("mlx-community/Qwen2.5-1.5B-Instruct-4bit", "1.5B", 0.87, "general chat",
+                 tools=True),
+    CuratedModel("mlx-community/Qwen3-1.7B-4bit", "1.7B", 0.97, "good reasoning for its size",
+                 tools=True),
     CuratedModel("mlx-community/Llama-3.2-3B-Instruct-4bit", "3B", 1.8, "better answers"),
     CuratedModel("mlx-community/Phi-3.5-mini-instruct-4bit", "3.8B", 2.2, "long context"),
-    CuratedModel("mlx-community/Qwen3-4B-4bit", "4B", 2.3, "best answers of this list"),
+    CuratedModel("mlx-community/Qwen3-4B-4bit", "4B", 2.3, "best answers of this list",
+                 tools=True),
 )
 
 

@@ -143,10 +143,18 @@ class InstalledTable(_RowsTable):
 
 
 class CuratedTable(_RowsTable):
-    COLUMNS = ("Model", "Parameters", "Download", "Note")
+    COLUMNS = ("Model", "Parameters", "Download", "Tools", "Note")
 
     def cells(self, m: CuratedModel) -> tuple[str, ...]:
-        return (m.repo_id, m.parameters, f"about {m.size_gb:.1f} GB", m.note)
+        return (m.repo_id, m.parameters, f"about {m.size_gb:.1f} GB",
+                "calls tools" if m.tools else "", m.note)
+
+    def tooltip(self, m: CuratedModel) -> str | None:
+        if m.tools:
+            return ("Calls tools in its own format: its chat template knows tools and "
+                    "mlx-lm reads its calls (the API server's function calling)")
+        return ("Tools still work through the API server (described to the model, and a "
+                "required call is held to its schema), but this model was not trained on them")
 
 
 class DownloadTask(QObject):
