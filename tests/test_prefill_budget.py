@@ -46,6 +46,8 @@ def test_a_prompt_too_costly_for_one_step_skips_steps_and_still_advances():
     taken, ratios = [], []
     for _ in range(40):
         n = budget.budget(decoding=True)
+        if budget.holding:  # the prompt under way skips this step (a new one could start)
+            n = 0
         step = decode + (overhead + per_token * n if n else 0.0)
         budget.observe(step, decode_rows=4, prompt_tokens=n)
         taken.append(n)
@@ -92,3 +94,31 @@ def test_target_zero_keeps_the_fixed_chunk():
     budget = PrefillBudget(max_chunk=256, min_chunk=16, target=0)
     simulate(budget, decode=0.05, overhead=0.0, per_token=0.01, steps=5)
     assert budget.budget(decoding=True) == 256
+
+
+def test_a_skipped_step_still_admits_a_new_prompt():
+    """While a long paste skips steps (its chunk costs more than a step allows), a short
+    chat that arrives is admitted in the very next step, and the paste yields."""
+    from engine.config import Priority
+    from engine.events import SequenceState
+    from engine.kv.blocks import BlockAllocator
+    from engine.sched.scheduler import WAIT_YIELD, Scheduler
+    from tests.test_scheduler import make_seq, run
+
+    sched = Scheduler(BlockAllocator(512, 16), max_batch=8, prefill_chunk=256)
+    chat = make_seq(list(range(1, 4)), "chat")
+    sched.add(chat)
+    run(sched, sched.schedule())
+    paste = make_seq(list(range(2000)), "paste")
+    paste.request.priority = Priority.NORMAL
+    sched.add(paste)
+    run(sched, sched.schedule(64))  # the paste starts (a share: it counts as background)
+    started = paste.num_in_table
+    assert started > 0
+    short = make_seq(list(range(7, 27)), "short")
+    sched.add(short)
+    plan = sched.schedule(32, continue_prompts=False)
+    works = {w.seq.session_id: len(w.tokens) for w in plan.works}
+    assert works == {"chat": 1, "short": 20}  # the paste skips, the new chat starts
+    assert paste.waiting_reason == WAIT_YIELD and short.state is SequenceState.PREFILLING
+    assert paste.num_in_table == started

@@ -125,9 +125,9 @@ def test_each_step_plans_launches_then_releases_what_it_ended(tiny: Path, overla
     for name in ("schedule", "commit", "resolve", "remove"):
         real = getattr(sched, name)
 
-        def logged(*args, _real=real, _name=name):
+        def logged(*args, _real=real, _name=name, **kwargs):
             calls.append(_name)
-            result = _real(*args)
+            result = _real(*args, **kwargs)
             if _name == "schedule":
                 plans.append(result)
             return result

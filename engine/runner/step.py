@@ -92,8 +92,8 @@ class StepRunner:
         t0 = time.perf_counter()
         if self._inflight is not None and self._inflight.constrained:
             self._end_inflight()  # a constrained row's mask needs its newest token
-        plan = self.scheduler.schedule(
-            self.prefill.budget(self.scheduler.decoding, self.scheduler.prompt_context))
+        budget = self.prefill.budget(self.scheduler.decoding, self.scheduler.prompt_context)
+        plan = self.scheduler.schedule(budget, continue_prompts=not self.prefill.holding)
         self._end_failed(plan.failed)
         launched = None
         if plan.works:

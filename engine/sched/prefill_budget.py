@@ -35,12 +35,16 @@ class PrefillBudget:
         self.cost = TokenCost()  # what one prompt token adds to a step, by its context
         self._banked = 0.0  # allowance saved by skipped steps (seconds)
         self._skipped = 0
+        #: The last budget() skipped the prompts under way (new prompts may still start).
+        self.holding = False
 
     def budget(self, decoding: bool, context: int = 0) -> int:
         """Prompt tokens for the next step, given whether any chat is decoding in it and the
         context the step's prompt continues from (the longest of the prompts under way; 0
-        for a fresh prompt). 0 means: this step skips the prompt (see the module docstring).
+        for a fresh prompt). When the prompt under way skips this step (see the module
+        docstring), ``holding`` is set and the budget is what a fresh prompt may take.
         """
+        self.holding = False
         if not decoding or not self.target:
             self._banked, self._skipped = 0.0, 0
             return self.max_chunk
@@ -51,7 +55,9 @@ class PrefillBudget:
             if self._skipped < MAX_SKIPPED_STEPS:
                 self._skipped += 1
                 self._banked += allowance
-                return 0
+                self.holding = True
+                fresh = self.cost.tokens_within(allowance, 0)
+                return int(max(self.min_chunk, min(self.max_chunk, fresh)))
             fits = self.min_chunk  # the guaranteed share
         else:
             fits = self.cost.tokens_within(allowance + self._banked, context)

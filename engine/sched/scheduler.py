@@ -120,8 +120,12 @@ class Scheduler:
         return max((s.num_in_table for s in self.running.values() if s.num_to_feed >= 2),
                    default=0)
 
-    def schedule(self, prompt_budget: int | None = None) -> StepPlan:
-        """Plan one step; ``prompt_budget`` caps its prompt tokens (default: prefill_chunk).
+    def schedule(self, prompt_budget: int | None = None,
+                 continue_prompts: bool = True) -> StepPlan:
+        """Plan one step; ``prompt_budget`` caps its prompt tokens (default: prefill_chunk);
+        ``continue_prompts`` False: the prompts under way skip this step (a long paste's
+        chunk costs more than one step allows, engine/sched/prefill_budget.py), new ones are
+        still admitted.
 
         Waiting prompts are admitted before running prompts continue (highest priority, then
         shortest first, with at most half the budget while some prompt is mid-way, so that
@@ -148,11 +152,18 @@ class Scheduler:
         mid_prompt = any(s.num_to_feed >= 2 for s in self.running.values())
         # Only a prompt to read can yield: a step of decodes alone needs no ranking.
         urgent = self._most_urgent() if mid_prompt or self.waiting else None
-        admit_budget = max(1, budget // 2) if mid_prompt else budget
+        # half for new prompts while one is under way (it advances every step), unless it
+        # skips this step
+        admit_budget = max(1, budget // 2) if mid_prompt and continue_prompts else budget
         budget -= self._admit(plan, min(budget, admit_budget), scheduled, urgent, share)
 
-        for seq in sorted(self.running.values(), key=lambda s: (-self._rank(s), s.num_to_feed)):
-            if seq.seq_id not in self.running or seq.seq_id in scheduled or seq.num_to_feed < 2:
+        under_way = [s for s in self.running.values()
+                     if s.num_to_feed >= 2 and s.seq_id not in scheduled]
+        for seq in sorted(under_way, key=lambda s: (-self._rank(s), s.num_to_feed)):
+            if seq.seq_id not in self.running:
+                continue
+            if not continue_prompts:
+                seq.waiting_reason = WAIT_YIELD
                 continue
             if budget <= 0:
                 seq.waiting_reason = WAIT_BUDGET
