@@ -43,8 +43,11 @@ def test_chat_logprobs_match_the_model_streamed_and_not(client, engine):
         logprobs=True, top_logprobs=3, stream=True)
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
                 for e in c.choices[0].logprobs.content]
-    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [
-        (e.token, round(e.logprob, 5)) for e in content]
+    # the same tokens; the second run reads the prompt from the prefix cache (only its tail
+    # computed), so its logits may differ in the last bits
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content],
+                                                          abs=1e-4)
 
 
 def test_completion_logprobs_have_tokens_offsets_and_alternatives(client, engine):

@@ -66,9 +66,10 @@ SAMPLING_UI: dict[str, FieldUI] = {
     "max_tokens": FieldUI("Max reply &tokens:", "Maximum reply tokens", 1, 32768),
     "seed": FieldUI("S&eed:", "Seed", -1, 2**31 - 1, special="random"),
 }
-# Per request, not per chat: `n` is how many alternatives a regenerate asks for, and stop
-# strings are not offered in the app.
-NOT_IN_FORM = frozenset({"n", "stop"})
+# Per request, not per chat: `n` is how many alternatives a regenerate asks for, stop
+# strings are not offered in the app, and a grammar (`constraint`) and `logprobs` are what an
+# API request or a tool call asks for, not a chat's setting.
+NOT_IN_FORM = frozenset({"n", "stop", "constraint", "logprobs"})
 
 
 class SamplingForm(QWidget):
