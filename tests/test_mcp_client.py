@@ -1,0 +1,152 @@
+"""The MCP client (app/core/mcp.py) against real MCP servers over stdio, written with the
+official SDK: list, call, a tool's own error, a server that exits mid-call, one that never
+answers (the timeout), one that cannot start; and the server list with its keychain key."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from app.core import secrets
+from app.core.mcp import McpClient, McpError, McpServers, McpTool, exposed_names
+from tests.mcp_servers import (
+    stdio_server,
+    write_crash_at_start,
+    write_tools_server,
+)
+
+
+@pytest.fixture
+def client():
+    c = McpClient(timeout_s=30)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def tools_server(tmp_path):
+    return stdio_server(write_tools_server(tmp_path))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_lists_the_tools_with_their_schemas(client, tools_server):
+    tools = run(client.list_tools(tools_server))
+    by_name = {t.name: t for t in tools}
+    assert set(by_name) == {"add", "fails", "dies", "hangs"}
+    add = by_name["add"]
+    assert add.description == "Add two integers."
+    assert add.parameters["required"] == ["a", "b"]
+    assert add.parameters["properties"]["a"]["type"] == "integer"
+    assert add.server_id == tools_server.id
+
+
+def test_calls_a_tool(client, tools_server):
+    result = run(client.call_tool(tools_server, "add", {"a": 2, "b": 40}))
+    assert result.text == "sum is 42 (zanzibar)" and not result.is_error
+
+
+def test_a_tools_own_error_is_a_result_marked_as_an_error(client, tools_server):
+    result = run(client.call_tool(tools_server, "fails", {"reason": "tests"}))
+    assert result.is_error
+    assert "refused on purpose: tests" in result.text
+
+
+def test_a_server_that_exits_mid_call_is_one_line_naming_it(client, tools_server):
+    with pytest.raises(McpError) as info:
+        run(client.call_tool(tools_server, "dies", {}))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("test tools: the server exited")
+    assert "dying on purpose" in message
+
+
+def test_a_server_that_never_answers_times_out(client, tools_server):
+    async def call():
+        return await client.call_tool(tools_server, "hangs", {}, timeout_s=1.5)
+
+    loop_time = []
+
+    async def timed():
+        start = asyncio.get_running_loop().time()
+        try:
+            await call()
+        finally:
+            loop_time.append(asyncio.get_running_loop().time() - start)
+
+    with pytest.raises(McpError, match=r"test tools: no answer in 1.5 s"):
+        run(timed())
+    assert loop_time[0] < 15  # the timeout, plus stopping the process: not the hour it sleeps
+
+
+def test_a_server_that_cannot_start_says_why(client, tmp_path):
+    crash = stdio_server(write_crash_at_start(tmp_path), name="broken")
+    with pytest.raises(McpError) as info:
+        run(client.list_tools(crash))
+    assert str(info.value).startswith("broken: the server exited")
+    assert "missing configuration" in str(info.value)
+    missing = stdio_server(tmp_path / "x.py", name="nowhere")
+    missing.command = str(tmp_path / "no-such-program")
+    with pytest.raises(McpError, match=r"nowhere: could not start"):
+        run(client.list_tools(missing))
+
+
+def test_the_gui_loop_is_not_blocked_while_a_call_hangs(client, tools_server):
+    """The call runs on the client's own loop: the caller's loop keeps ticking meanwhile,
+    and a second server's call completes while the first still hangs."""
+
+    async def both():
+        ticks = 0
+        hang = asyncio.ensure_future(
+            client.call_tool(tools_server, "hangs", {}, timeout_s=4))
+        added = await client.call_tool(tools_server, "add", {"a": 1, "b": 1})
+        while not hang.done():
+            ticks += 1
+            await asyncio.sleep(0.01)
+        with pytest.raises(McpError):
+            hang.result()
+        return added, ticks
+
+    added, ticks = run(both())
+    assert added.text == "sum is 2 (zanzibar)"
+    assert ticks > 50
+
+
+def test_servers_are_kept_in_the_store_and_keys_in_the_keychain(app_env):
+    from app.core.store import Store
+
+    store = Store(app_env)
+    try:
+        servers = McpServers(store)
+        local = servers.add("Local", command=sys.executable, args=["-m", "x"])
+        remote = servers.add("Remote", url="http://127.0.0.1:9/mcp", key="sk-secret-1")
+        assert secrets.get_secret(remote.key_user) == "sk-secret-1"
+        stored = store.get_value("mcp_servers")
+        assert "sk-secret-1" not in repr(stored)
+        again = McpServers(store)
+        assert [s.name for s in again.servers()] == ["Local", "Remote"]
+        assert again.get(local.id).args == ["-m", "x"]
+        assert again.key(again.get(remote.id)) == "sk-secret-1"
+        again.update(remote.id, "Remote", url="http://127.0.0.1:9/mcp")  # key kept
+        assert again.key(again.get(remote.id)) == "sk-secret-1"
+        again.remove(remote.id)
+        assert secrets.get_secret(remote.key_user) is None
+        with pytest.raises(ValueError, match="command"):
+            again.add("Nothing")
+        with pytest.raises(ValueError, match="http"):
+            again.add("Bad", url="ftp://x")
+    finally:
+        store.close()
+
+
+def test_tool_names_are_unique_in_a_chat():
+    schema = {"type": "object", "properties": {}}
+    tools = [McpTool("a", "files", "read", "", schema), McpTool("b", "web", "read", "", schema),
+             McpTool("b", "web", "fetch.page", "", schema)]
+    names = exposed_names(tools)
+    assert set(names) == {"files_read", "web_read", "fetch_page"}
+    assert names["fetch_page"].name == "fetch.page"
