@@ -30,6 +30,7 @@ from app.core.records import new_id
 from app.core.serial import from_json, to_json
 
 SETTINGS_KEY = "mcp_servers"
+TIMEOUT_KEY = "mcp_timeout_s"
 DEFAULT_TIMEOUT_S = 20.0
 MAX_RESULT_CHARS = 20_000  # a result longer than this is cut (it goes into the prompt)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -45,6 +46,7 @@ class McpServer:
     args: list[str] = field(default_factory=list)
     url: str = ""
     enabled: bool = True
+    always_allowed: list[str] = field(default_factory=list)  # tools run without asking
 
     @property
     def transport(self) -> str:
@@ -69,6 +71,9 @@ class McpServer:
         args = data.get("args") if isinstance(data, dict) else None
         if isinstance(args, list):  # a list of strings (the generic loader keeps scalars)
             server.args = [str(a) for a in args]
+        allowed = data.get("always_allowed") if isinstance(data, dict) else None
+        if isinstance(allowed, list):
+            server.always_allowed = [str(a) for a in allowed]
         return server
 
 
@@ -372,3 +377,67 @@ def _last_line(errlog: Any) -> str:
         lines = [line.strip() for line in errlog.read()[-4000:].splitlines() if line.strip()]
         return lines[-1][:200] if lines else ""
     return ""
+
+
+class McpHub:
+    """The app's MCP side for its chats: the servers, the client, the tools a chat sees,
+    what the user allowed for good. Qt-free; every coroutine here may be awaited on the GUI
+    loop (the work runs on the client's own loop)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.servers = McpServers(store)
+        stored = store.get_value(TIMEOUT_KEY) if store is not None else None
+        timeout = float(stored) if isinstance(stored, int | float) and stored > 0 else None
+        self.client = McpClient(timeout or DEFAULT_TIMEOUT_S)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.client.timeout_s
+
+    def set_timeout(self, seconds: float) -> None:
+        """How long a server may take to list or to answer a call before it counts as hung."""
+        self.client.timeout_s = max(0.5, float(seconds))
+        if self.store is not None:
+            self.store.set_value(TIMEOUT_KEY, self.client.timeout_s)
+
+    async def refresh(self, server: McpServer) -> list[McpTool]:
+        """List the server's tools again (kept for the chats); raises McpError."""
+        try:
+            tools = await self.client.list_tools(server, self.servers.key(server))
+        except McpError as exc:
+            self.servers.set_tools(server.id, None, str(exc))
+            raise
+        self.servers.set_tools(server.id, tools)
+        return tools
+
+    async def chat_tools(self) -> tuple[dict[str, McpTool], list[str]]:
+        """The tools of the enabled servers under their chat-wide names, listing the servers
+        not listed yet this run (together); and the errors of those that failed."""
+        enabled = [s for s in self.servers.servers() if s.enabled]
+        missing = [s for s in enabled if s.id not in self.servers.tools]
+        results = await asyncio.gather(*(self.refresh(s) for s in missing),
+                                       return_exceptions=True)
+        errors = [str(r) for r in results if isinstance(r, BaseException)]
+        tools = [t for s in enabled for t in self.servers.tools.get(s.id, [])]
+        return exposed_names(tools), errors
+
+    async def call(self, tool: McpTool, arguments: dict) -> ToolResult:
+        """Call ``tool``; raises McpError (the server is gone, failed or does not answer)."""
+        server = self.servers.get(tool.server_id)
+        if server is None:
+            raise McpError(f"{tool.server_name}: this server was removed")
+        return await self.client.call_tool(server, tool.name, arguments, self.servers.key(server))
+
+    def always_allowed(self, tool: McpTool) -> bool:
+        server = self.servers.get(tool.server_id)
+        return server is not None and tool.name in server.always_allowed
+
+    def allow_always(self, tool: McpTool) -> None:
+        server = self.servers.get(tool.server_id)
+        if server is not None and tool.name not in server.always_allowed:
+            server.always_allowed.append(tool.name)
+            self.servers._save()
+
+    def close(self) -> None:
+        self.client.close()
