@@ -47,9 +47,13 @@ def hangs() -> str:
 server.run()
 '''
 
-# one tool per server, for the chat tests: the model can only call that one
+# one tool per server, for the chat tests: the model can only call that one (a short city:
+# the grammar of a required call keeps the small model's argument short)
 SINGLE_SCRIPT = '''
 import os, sys, time
+from typing import Annotated
+
+from pydantic import Field
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
@@ -58,7 +62,7 @@ BEHAVIOUR = {behaviour!r}
 
 
 @server.tool()
-def {name}(city: str) -> str:
+def {name}(city: Annotated[str, Field(max_length=20)]) -> str:
     """The weather in a city."""
     if BEHAVIOUR == "error":
         raise ToolError("the weather service is down")

@@ -639,7 +639,9 @@ class ChatSession(QObject):
         state = message.meta.get("state")
         meta = {"state": "denied" if state == "denied" else ("error" if error else "done"),
                 "is_error": error}
-        self._finish(message, Status.COMPLETE, f"Error: {text}" if error else text, meta)
+        if error and not text.lower().startswith("error"):
+            text = f"Error: {text}"  # the model (and the user) read it as the call's failure
+        self._finish(message, Status.COMPLETE, text, meta)
 
     def _end_tool_work(self, work: str, status: str) -> None:
         """Stop ``work`` (the user pressed stop, the app quits): calls not answered are
