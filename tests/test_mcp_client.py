@@ -5,12 +5,16 @@ answers (the timeout), one that cannot start; and the server list with its keych
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import sys
 
 import pytest
 
 from app.core import secrets
 from app.core.mcp import McpClient, McpError, McpServers, McpTool, exposed_names
+from app.core.records import Message
+from app.core.search import MARK_START, TOOL_CALL_ROLE
+from app.core.store import DB_NAME, Store
 from tests.mcp_servers import (
     stdio_server,
     write_crash_at_start,
@@ -117,8 +121,6 @@ def test_the_gui_loop_is_not_blocked_while_a_call_hangs(client, tools_server):
 
 
 def test_servers_are_kept_in_the_store_and_keys_in_the_keychain(app_env):
-    from app.core.store import Store
-
     store = Store(app_env)
     try:
         servers = McpServers(store)
@@ -150,3 +152,46 @@ def test_tool_names_are_unique_in_a_chat():
     names = exposed_names(tools)
     assert set(names) == {"files_read", "web_read", "fetch_page"}
     assert names["fetch_page"].name == "fetch.page"
+
+
+def tool_message(conversation_id: str) -> Message:
+    call = {"id": "call_1", "name": "weather", "arguments": '{"city": "Reykjavik"}'}
+    return Message("t1", conversation_id, None, "tool", "cold and windy",
+                   meta={"tool_call": call, "server": "Weather", "state": "done"})
+
+
+def test_search_finds_a_tool_calls_name_arguments_and_result(tmp_path):
+    store = Store(tmp_path)
+    try:
+        conv = store.create_conversation("Trip")
+        store.add_message(tool_message(conv.id))
+        [by_argument] = store.search_hits("reykjavik")
+        assert (by_argument.message_id, by_argument.role) == ("t1", TOOL_CALL_ROLE)
+        assert MARK_START + "Reykjavik" in by_argument.snippet
+        assert [h.role for h in store.search_hits("weather")] == [TOOL_CALL_ROLE]
+        assert [(h.message_id, h.role) for h in store.search_hits("windy")] == [("t1", "tool")]
+        assert store.search("reykjavik") == {conv.id}
+        store.update_message("t1", meta={})  # no call any more: not found by it
+        assert store.search_hits("reykjavik") == []
+    finally:
+        store.close()
+
+
+def test_migration_indexes_tool_calls_made_before_their_index(tmp_path):
+    store = Store(tmp_path)
+    conv = store.create_conversation("Old")
+    store.add_message(tool_message(conv.id))
+    store.close()
+    con = sqlite3.connect(tmp_path / DB_NAME)  # back to version 5: no tool-call index
+    for name in ("tool_call_fts_ai", "tool_call_fts_ad", "tool_call_fts_au"):
+        con.execute(f"DROP TRIGGER {name}")
+    con.execute("DROP TABLE tool_call_fts")
+    con.execute("PRAGMA user_version=5")
+    con.commit()
+    con.close()
+    store = Store(tmp_path)
+    try:
+        assert [(h.message_id, h.role) for h in store.search_hits("reykjavik")] == [
+            ("t1", TOOL_CALL_ROLE)]
+    finally:
+        store.close()
