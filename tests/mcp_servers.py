@@ -100,3 +100,26 @@ def write_crash_at_start(folder: Path) -> Path:
 
 def stdio_server(path: Path, name: str = "test tools") -> McpServer:
     return McpServer(id=path.stem, name=name, command=sys.executable, args=[str(path)])
+
+
+HTTP_SCRIPT = '''
+import sys
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("http tools")
+
+
+@server.tool()
+def add(a: int, b: int) -> str:
+    """Add two integers."""
+    return f"sum is {a + b}"
+
+
+server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
+'''
+
+
+def write_http_server(folder: Path) -> Path:
+    path = folder / "http_server.py"
+    path.write_text(HTTP_SCRIPT, encoding="utf-8")
+    return path

@@ -5,19 +5,23 @@ answers (the timeout), one that cannot start; and the server list with its keych
 from __future__ import annotations
 
 import asyncio
+import socket
 import sqlite3
+import subprocess
 import sys
+import time
 
 import pytest
 
 from app.core import secrets
-from app.core.mcp import McpClient, McpError, McpServers, McpTool, exposed_names
+from app.core.mcp import McpClient, McpError, McpServer, McpServers, McpTool, exposed_names
 from app.core.records import Message
 from app.core.search import MARK_START, TOOL_CALL_ROLE
 from app.core.store import DB_NAME, Store
 from tests.mcp_servers import (
     stdio_server,
     write_crash_at_start,
+    write_http_server,
     write_tools_server,
 )
 
@@ -195,3 +199,33 @@ def test_migration_indexes_tool_calls_made_before_their_index(tmp_path):
             ("t1", TOOL_CALL_ROLE)]
     finally:
         store.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_streamable_http_server_lists_and_calls(client, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(write_http_server(tmp_path)), str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until it listens
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "no HTTP server"
+            time.sleep(0.1)
+        server = McpServer(id="h", name="web", url=f"http://127.0.0.1:{port}/mcp")
+        tools = run(client.list_tools(server, key="sk-test"))
+        assert [t.name for t in tools] == ["add"]
+        result = run(client.call_tool(server, "add", {"a": 3, "b": 4}, key="sk-test"))
+        assert result.text == "sum is 7"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    with pytest.raises(McpError, match=r"^web: "):  # gone: one line naming the server
+        run(client.list_tools(server))
