@@ -18,7 +18,7 @@ import json
 import sys
 
 import pytest
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QPoint, Qt
 from PySide6.QtWidgets import QDialogButtonBox
 
 from app.chat.message_model import TOGGLE_SCHEME
@@ -120,8 +120,11 @@ def test_a_chat_calls_an_mcp_tool_added_in_settings(harness, qtbot, tmp_path):
     row = pane.model.row_of(result.id)
     closed = pane.model.entry(row).doc.toPlainText()
     assert "▸ weather" in closed and "sunny and 31 degrees" in closed
-    assert TOGGLE_SCHEME in pane.model.entry(row).doc.toHtml()
-    pane.view._open_link(row, TOGGLE_SCHEME)
+    pane.view.scrollTo(pane.model.index(row))
+    body = pane.view.row_geometry(row).body
+    link = next(QPoint(x, body.top() + 6) for x in range(body.left(), body.right())
+                if pane.view.anchor_at(QPoint(x, body.top() + 6))[1] == TOGGLE_SCHEME)
+    qtbot.mouseClick(pane.view.viewport(), Qt.MouseButton.LeftButton, pos=link)
     opened = pane.model.entry(row).doc.toPlainText()
     assert "▾ weather" in opened and call["arguments"] in opened
 
