@@ -273,6 +273,7 @@ def _build_by_shipped_step(version: int, doc: str):
 BUILDERS = {0: _build_v0, 1: _build_v1, 2: _build_v2}
 BUILDERS[3] = _build_by_shipped_step(3, "full-text search, before folders (v4)")
 BUILDERS[4] = _build_by_shipped_step(4, "folders, before search in attachments (v5)")
+BUILDERS[5] = _build_by_shipped_step(5, "search in attachments, before search in tool calls (v6)")
 
 
 def test_there_is_a_builder_for_every_earlier_schema():

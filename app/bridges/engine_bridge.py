@@ -224,6 +224,26 @@ class EngineBridge(QObject):
         self._spawn(self._pump(handle, session_id, params.n))
         return handle.request_id
 
+    async def submit_prompt(
+        self, tokens: list[int], params: SamplingParams, session_id: str,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> str:
+        """Submit a prompt already tokenised (a chat with tools: app/core/tool_calls.py);
+        the engine's submit runs in a worker thread, since compiling a grammar of tool calls
+        takes a moment. Raises like ``submit``."""
+        engine = self._engine
+        if engine is None or self._status in (EngineStatus.ERROR, EngineStatus.STOPPED, IDLE):
+            reason = self._load_error or "the engine is not running"
+            raise RuntimeError(f"No model is loaded: {reason}")
+        handle = await asyncio.to_thread(
+            lambda: engine.submit(prompt_tokens=tokens, params=params, session_id=session_id,
+                                  priority=priority))
+        self._priority[session_id] = priority
+        self._handles[handle.request_id] = handle
+        self._sessions[handle.request_id] = session_id
+        self._spawn(self._pump(handle, session_id, params.n))
+        return handle.request_id
+
     async def _pump(self, handle: Any, session_id: str, n: int) -> None:
         rid = handle.request_id
         finished: set[int] = set()

@@ -192,7 +192,7 @@ class MessageDelegate(QStyledItemDelegate):
         painter.setFont(bold)
         painter.setPen(muted)
         x = geo.header.left() + d + 6
-        label = "Assistant"
+        label = "Tool" if msg.role == "tool" else "Assistant"
         painter.drawText(
             QRect(x, geo.header.top(), geo.header.width(), geo.header.height()),
             Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignLeft,

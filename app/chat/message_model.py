@@ -30,7 +30,9 @@ from app.ui.theme import MarkdownTheme, theme_manager
 MessageRole = Qt.ItemDataRole.UserRole + 1
 MessageIdRole = Qt.ItemDataRole.UserRole + 2
 
-_ROLE_LABEL = {"user": "You", "assistant": "Assistant", "system": "System"}
+_ROLE_LABEL = {"user": "You", "assistant": "Assistant", "system": "System", "tool": "Tool"}
+TOGGLE_SCHEME = "toggle:"  # the link that opens or closes a tool block
+SUMMARY_CHARS = 140  # a closed tool block shows this much of its result
 
 
 def _css(theme: MarkdownTheme) -> str:
@@ -85,6 +87,7 @@ class ChatMessageModel(QAbstractListModel):
         self.font = QFont()
         self.prompt_progress: tuple[int, int] | None = None  # (read, total) while prefilling
         self._time_left: str | None = None  # "about 20 s left" once measured
+        self.expanded: set[str] = set()  # tool messages shown whole (a click toggles)
         self.full_renders = 0  # finished messages rendered (each once)
         self.stream_renders = 0  # throttled re-renders of streaming tails
         session.pathChanged.connect(self._sync_rows)
@@ -170,14 +173,32 @@ class ChatMessageModel(QAbstractListModel):
         if (
             e is not None
             and e.dark == dark
-            and (live or (e.source == msg.content and e.status == msg.status))
+            and (live or (e.source == self._source(msg) and e.status == msg.status))
         ):
             return e  # a streaming entry is refreshed by flush_render, not here
         return self._render(msg, streaming=live)
 
+    def toggle(self, row: int) -> None:
+        """Open or close a tool block (its arguments and whole result)."""
+        msg = self.message(row)
+        self.expanded.symmetric_difference_update({msg.id})
+        self._entries.pop(msg.id, None)
+        self.layoutChanged.emit()  # the row's height changes
+
+    def _source(self, msg: Message) -> str:
+        """What a row's document is rendered from (a tool block also from its state)."""
+        if msg.role != "tool":
+            return msg.content
+        return f"{msg.meta.get('state')}|{msg.id in self.expanded}|{msg.content}"
+
     def _render(self, msg: Message, streaming: bool) -> RenderEntry:
         theme = theme_manager().markdown_theme()
-        if msg.role != "assistant":
+        if msg.role == "tool":
+            rendered = Rendered(tool_html(msg, msg.id in self.expanded, theme))
+        elif msg.role == "assistant" and not msg.content and msg.meta.get("tool_calls"):
+            names = ", ".join(c["function"]["name"] for c in msg.meta["tool_calls"])
+            rendered = Rendered(f"<p><i>Calls {escape(names)}</i></p>")
+        elif msg.role != "assistant":
             rendered = Rendered(plain_html(msg.content))
         elif streaming:
             streamer = self._streamers.get(msg.id)
@@ -203,7 +224,7 @@ class ChatMessageModel(QAbstractListModel):
         doc.setDefaultTextOption(opt)
         doc.setDefaultStyleSheet(_css(theme))
         doc.setHtml(html)
-        e = RenderEntry(doc, rendered.code_blocks, msg.content, msg.status, theme.dark)
+        e = RenderEntry(doc, rendered.code_blocks, self._source(msg), msg.status, theme.dark)
         self._entries[msg.id] = e
         return e
 
@@ -274,6 +295,34 @@ class ChatMessageModel(QAbstractListModel):
         ):
             disconnect(sig, slot)
         self.throttle.discard(self)
+
+
+def tool_html(msg: Message, expanded: bool, theme: MarkdownTheme) -> str:
+    """A tool call as a block: the tool and its arguments, then what became of it. Closed,
+    a finished call shows the start of its result; open (a click on ▸), all of it."""
+    call = msg.meta.get("tool_call") or {}
+    state = msg.meta.get("state", "")
+    server = f' <span style="color:{theme.quote_fg};">· {escape(msg.meta.get("server", ""))}'\
+        '</span>' if msg.meta.get("server") else ""
+    arrow = "▾" if expanded else "▸"
+    head = (f'<p><a href="{TOGGLE_SCHEME}">{arrow} <b>{escape(call.get("name", ""))}</b></a>'
+            f' <code>{escape(_short(call.get("arguments", ""), 200))}</code>{server}</p>')
+    if state == "asking":
+        return head + "<p><i>Waiting for your answer…</i></p>"
+    if state == "running":
+        return head + "<p><i>Running…</i></p>"
+    error = state == "error" or msg.meta.get("is_error")
+    color = ' style="color:#d64545;"' if error else ""
+    if not expanded:
+        return head + f"<p{color}>{escape(_short(msg.content, SUMMARY_CHARS))}</p>"
+    arguments = call.get("arguments", "")
+    return (head + f'<pre style="background:{theme.inline_code_bg};">{escape(arguments)}</pre>'
+            f"<pre{color}>{escape(msg.content)}</pre>")
+
+
+def _short(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def status_text(msg: Message) -> str:

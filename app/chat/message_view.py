@@ -23,7 +23,7 @@ from PySide6.QtWidgets import QAbstractItemView, QListView, QMenu, QToolTip, QWi
 
 from app.chat.delegate import ACTION_TIPS, MessageDelegate, RowGeometry
 from app.chat.markdown import COPY_SCHEME
-from app.chat.message_model import ChatMessageModel
+from app.chat.message_model import TOGGLE_SCHEME, ChatMessageModel
 from app.core.records import Status
 from app.ui.qt_util import disconnect
 
@@ -192,7 +192,9 @@ class MessageListView(QListView):
         super().mouseReleaseEvent(event)
 
     def _open_link(self, row: int, href: str) -> None:
-        if href.startswith(COPY_SCHEME):
+        if href.startswith(TOGGLE_SCHEME):
+            self.chat_model().toggle(row)
+        elif href.startswith(COPY_SCHEME):
             try:
                 n = int(href[len(COPY_SCHEME) :])
                 code = self.chat_model().entry(row).code_blocks[n]

@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
     QLabel,
+    QPushButton,
     QSizePolicy,
     QToolButton,
     QVBoxLayout,
@@ -177,6 +178,31 @@ class ChatPane(QFrame):
         self.edit_banner.hide()
         layout.addWidget(self.edit_banner)
 
+        # a tool call waiting for the user's answer (ChatSession.toolAsk)
+        self.tool_bar = QFrame()
+        self.tool_bar.setObjectName("toolApproval")
+        self.tool_bar.setAccessibleName("Tool call approval")
+        tb = QVBoxLayout(self.tool_bar)
+        tb.setContentsMargins(12, 6, 12, 6)
+        self.tool_label = QLabel()
+        self.tool_label.setWordWrap(True)
+        self.tool_label.setAccessibleName("Tool call")
+        self.tool_label.setTextFormat(Qt.TextFormat.PlainText)
+        tb.addWidget(self.tool_label)
+        buttons = QHBoxLayout()
+        self.allow_once_button = QPushButton("Allow &once")
+        self.allow_always_button = QPushButton("&Always for this tool")
+        self.deny_button = QPushButton("&Deny")
+        for b, decision in ((self.allow_once_button, "once"),
+                            (self.allow_always_button, "always"), (self.deny_button, "deny")):
+            b.setAccessibleName(b.text().replace("&", "") + " (tool call)")
+            b.clicked.connect(lambda _c=False, d=decision: self._answer_tool(d))
+            buttons.addWidget(b)
+        buttons.addStretch(1)
+        tb.addLayout(buttons)
+        self.tool_bar.hide()
+        layout.addWidget(self.tool_bar)
+
         composer = QFrame()
         composer.setObjectName("composer")
         c = QHBoxLayout(composer)
@@ -262,6 +288,7 @@ class ChatPane(QFrame):
         session.pathChanged.connect(self._update_empty)
         session.settingsChanged.connect(self._update_title)
         session.modelChanged.connect(self._model_changed)
+        session.toolAsk.connect(self._show_tool_ask)
         self._watch_registry(session)
         self.header.accent = colors.accent_color(session.id)
         self.header.update()  # the dot and the accent bar are painted, not styled
@@ -271,6 +298,7 @@ class ChatPane(QFrame):
         self._update_empty()
         self._update_footer()
         self.draft_meter.schedule()
+        self._show_tool_ask(session.awaiting_tool or "")
 
     def _disconnect_session(self, session: ChatSession) -> None:
         for sig, slot in (
@@ -282,6 +310,7 @@ class ChatPane(QFrame):
             (session.settingsChanged, self._update_title),
             (session.modelChanged, self._model_changed),
             (session.contextChanged, self.draft_meter.schedule),
+            (session.toolAsk, self._show_tool_ask),
         ):
             disconnect(sig, slot)
 
@@ -521,6 +550,28 @@ class ChatPane(QFrame):
         if dialog.exec() == QDialog.DialogCode.Accepted:
             self.session.set_settings(dialog.value())
             self.settingsChanged.emit(self.session.id)
+
+    def _show_tool_ask(self, message_id: str) -> None:
+        """Show (or, for "", hide) the question about a tool call: which tool, which
+        server, with what arguments."""
+        session = self.session
+        if not message_id or session is None or message_id not in session.tree:
+            self.tool_bar.hide()
+            return
+        meta = session.tree.get(message_id).meta
+        call = meta.get("tool_call") or {}
+        server = f" (server {meta['server']})" if meta.get("server") else ""
+        arguments = call.get("arguments", "")
+        if len(arguments) > 600:
+            arguments = arguments[:600] + "…"
+        tool = meta.get("tool") or call.get("name", "")
+        self.tool_label.setText(f"The model wants to call {tool}{server} with {arguments}")
+        self.tool_bar.show()
+
+    def _answer_tool(self, decision: str) -> None:
+        session = self.session
+        if session is not None and session.awaiting_tool is not None:
+            session.answer_tool(session.awaiting_tool, decision)
 
     def _close_clicked(self) -> None:
         self.closeRequested.emit(self)

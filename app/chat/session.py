@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,23 +21,32 @@ from typing import Any
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.core.attachments import Attachment, from_meta, to_meta
+from app.core.mcp import McpError, McpTool
 from app.core.records import ChatSettings, Conversation, Message, Status, new_id
 from app.core.session_logic import (
     DEFAULT_TITLE,
     branch_copies,
     copy_settings,
     prompt_messages,
+    prompt_with_calls,
     status_for,
     title_from,
     unique_title,
     usage_dict,
 )
+from app.core.tool_calls import CallSplitter, ToolUse, call_constraint, chat_prompt
 from app.core.tree import MessageTree
 from app.ui import colors
 
 SAVE_INTERVAL_MS = 1000
 #: meta["refused"] of a reply whose prompt the model refused as longer than its context
 REFUSED_TOO_LONG = "context"
+#: a key of ChatSession._requests while the chat works on tools (preparing a prompt with
+#: tools, asking the user about a call, running it): the chat is busy, no engine request
+TOOL_WORK = "tool:"
+MAX_TOOL_ROUNDS = 4  # calls in a row after one user message; then the model must answer
+DENIED = "The user denied this tool call."
+STOPPED_CALL = "The user stopped this tool call."
 
 
 class ChatSession(QObject):
@@ -51,6 +61,7 @@ class ChatSession(QObject):
     contextChanged = Signal()  # context_tokens or last_usage changed
     notice = Signal(str)  # a message for the user (refused input, engine errors)
     modelChanged = Signal(str)  # the chat's model ("" = the local engine)
+    toolAsk = Signal(str)  # the tool message waiting for Allow / Deny ("": none any more)
 
     def __init__(self, conversation: Conversation, store: Any, bridge: Any) -> None:
         super().__init__()
@@ -67,6 +78,11 @@ class ChatSession(QObject):
         self._auto_title: str | None = None  # the title the app gave it, until a user's rename
         self.sent_at = 0.0  # time.time() of the last request sent (the monitor's "waiting")
         self._count_task: asyncio.Future | None = None
+        # a reply of a chat with tools: reply id -> (its splitter, its tools by chat name)
+        self._splitters: dict[str, tuple[CallSplitter, dict[str, McpTool]]] = {}
+        self._tool_maps: dict[str, dict[str, McpTool]] = {}  # tool message id -> tools
+        self._tool_tasks: dict[str, asyncio.Future] = {}  # TOOL_WORK key -> its task
+        self.awaiting_tool: str | None = None  # the tool message waiting for the user
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(SAVE_INTERVAL_MS)
         self._save_timer.timeout.connect(self.flush)
@@ -233,9 +249,15 @@ class ChatSession(QObject):
         return True
 
     def stop(self) -> None:
-        """Cancel the running request(s); the partial replies stay, marked as stopped."""
+        """Cancel the running request(s); the partial replies stay, marked as stopped. Tool
+        work stops too: a call not answered yet is recorded as stopped."""
         for rid in list(self._requests):
-            self._cancel(rid)
+            if rid.startswith(TOOL_WORK):
+                self._end_tool_work(rid, Status.STOPPED)
+            else:
+                self._cancel(rid)
+        if not self._requests:
+            self._settle()
 
     def _cancel(self, request_id: str) -> None:
         if self.remote is not None and self.remote.owns(request_id):
@@ -294,6 +316,15 @@ class ChatSession(QObject):
         replies = [self._new_message(parent_id, "assistant", "", Status.PENDING) for _ in range(n)]
         self._activate(replies[0].id)
         self.store.touch_conversation(self.id)
+        if self._uses_tools(n):
+            work = TOOL_WORK + replies[0].id
+            self._requests[work] = []
+            self.sent_at = time.time()
+            self._save_timer.start()
+            self.busyChanged.emit(True)
+            self._tool_tasks[work] = asyncio.ensure_future(
+                self._submit_with_tools(work, replies[0], parent_id))
+            return True
         try:
             params = dataclasses.replace(self.settings.sampling, n=n)  # validates
             if self.is_remote:
@@ -339,6 +370,9 @@ class ChatSession(QObject):
         if ids is None or not 0 <= index < len(ids) or ids[index] is None:
             return  # not ours (or already finished): never write into the wrong message
         msg = self.tree.get(ids[index])
+        split = self._splitters.get(msg.id)
+        if split is not None:  # a chat with tools: a call's text is not the reply's
+            text, _calls = split[0].feed(text)
         msg.content += text
         if msg.status != Status.STREAMING:
             msg.status = Status.STREAMING
@@ -356,6 +390,15 @@ class ChatSession(QObject):
         status = status_for(event.finish_reason, self._quitting)
         text = event.text if (event.text or status != Status.ERROR) else None
         meta: dict[str, Any] = {"finish_reason": str(event.finish_reason)}
+        split = self._splitters.pop(msg.id, None)
+        calls: list[dict] = []
+        if split is not None:
+            rest, _calls = split[0].feed("", final=True)
+            msg.content += rest
+            text = None  # the text shown (the calls are kept apart, in meta)
+            calls = split[0].calls if status in (Status.COMPLETE, Status.LENGTH) else []
+            if calls:
+                meta["tool_calls"] = calls
         usage = usage_dict(event.usage)
         if usage:
             meta["usage"] = usage
@@ -367,15 +410,21 @@ class ChatSession(QObject):
             if limit and usage.get("prompt_tokens", 0) >= limit and not self.is_remote:
                 meta["refused"] = REFUSED_TOO_LONG  # the next message starts before it
         self._finish(msg, status, text, meta)
+        if calls:
+            self._start_tool_calls(msg, calls, split[1])  # busy until they are answered
         # an engine error is shown once, in the reply it ended (not also as a notice)
         if all(i is None for i in ids):
             del self._requests[request_id]
             if not self._requests:
-                self._save_timer.stop()
-                self.flush()
-                self.busyChanged.emit(False)
-                self.store.touch_conversation(self.id)
-                self._refresh_context()
+                self._settle()
+
+    def _settle(self) -> None:
+        """Nothing runs any more: save, say so, recount the context."""
+        self._save_timer.stop()
+        self.flush()
+        self.busyChanged.emit(False)
+        self.store.touch_conversation(self.id)
+        self._refresh_context()
 
     def flush(self) -> None:
         """Write the text of replies being streamed (called about once a second)."""
@@ -394,6 +443,8 @@ class ChatSession(QObject):
                 if mid is not None:
                     msg = self.tree.get(mid)
                     self._finish(msg, Status.INTERRUPTED, None, {"finish_reason": "interrupted"})
+        for rid in [r for r in self._requests if r.startswith(TOOL_WORK)]:
+            self._end_tool_work(rid, Status.INTERRUPTED)
         self._requests.clear()
         self._save_timer.stop()
         self.flush()
@@ -407,6 +458,207 @@ class ChatSession(QObject):
         self._requests.clear()
         self._dirty.clear()
         self._save_timer.stop()
+
+    # ---- MCP tools (app/core/mcp.py; docs/ARCHITECTURE.md §6.6) ---------------------------
+
+    @property
+    def tool_hub(self) -> Any:
+        """The app's McpHub (None: no tools in this app)."""
+        return getattr(self.manager, "tools", None)
+
+    def _uses_tools(self, n: int) -> bool:
+        return (self.settings.tools and not self.is_remote and n == 1
+                and self.tool_hub is not None and self.bridge.engine is not None)
+
+    def _tool_rounds(self, parent_id: str) -> int:
+        """Tool results since the last user message (a model that keeps calling is stopped
+        at MAX_TOOL_ROUNDS: it must answer)."""
+        rounds = 0
+        for m in reversed(self.tree.path_to(parent_id)):
+            if m.role == "user":
+                break
+            rounds += m.role == "tool"
+        return rounds
+
+    async def _submit_with_tools(self, work: str, reply: Message, parent_id: str) -> None:
+        """Build the prompt with the chat's tools (as the server does) and submit it; the
+        reply is then split into its text and its calls (on_token / on_final)."""
+        try:
+            tools, errors = await self.tool_hub.chat_tools()
+            for error in errors:
+                self.notice.emit(f"A tool server is not available: {error}")
+            use = None
+            if tools and self._tool_rounds(parent_id) < MAX_TOOL_ROUNDS:
+                forced = (self.settings.tool_choice == "required"
+                          and self.tree.get(parent_id).role == "user")
+                use = ToolUse(tuple(t.spec(name) for name, t in tools.items()),
+                              "required" if forced else "auto", parallel=False)
+            messages, raw = prompt_with_calls(self.settings.system_prompt,
+                                              self.tree.path_to(parent_id))
+            engine = self.bridge.engine
+            if engine is None:
+                raise RuntimeError("No model is loaded.")
+            prompt = await asyncio.to_thread(chat_prompt, engine, messages, raw, use)
+            params = dataclasses.replace(self.settings.sampling, n=1)
+            if use is not None and use.forced and prompt.syntax is not None:
+                params = dataclasses.replace(params, constraint=call_constraint(
+                    use, prompt.syntax.start, prompt.syntax.end))
+            if work not in self._requests:
+                return  # stopped meanwhile
+            rid = await self.bridge.submit_prompt(prompt.tokens, params, self.id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # no model, a refused prompt: the reply says why
+            if work in self._requests:
+                del self._requests[work]
+                self._tool_tasks.pop(work, None)
+                self._finish(reply, Status.ERROR, "", {"error": str(exc)})
+                if not self._requests:
+                    self._settle()
+            return
+        self._tool_tasks.pop(work, None)
+        if work not in self._requests:
+            self.bridge.cancel(rid)  # stopped while it was being submitted
+            return
+        del self._requests[work]
+        self._requests[rid] = [reply.id]
+        if prompt.syntax is not None and use is not None:
+            self._splitters[reply.id] = (CallSplitter(prompt.syntax, list(use.tools)), tools)
+
+    def _start_tool_calls(self, reply: Message, calls: list[dict],
+                          tools: dict[str, McpTool]) -> None:
+        """One tool message per call below the reply (the results go in them), then ask
+        about the first."""
+        parent = reply.id
+        for call in calls:
+            function = call["function"]
+            tool = tools.get(function["name"])
+            meta = {"tool_call": {"id": call["id"], "name": function["name"],
+                                  "arguments": function["arguments"]},
+                    "server": tool.server_name if tool else "",
+                    "tool": tool.name if tool else function["name"], "state": "asking"}
+            message = self._new_message(parent, "tool", "", Status.PENDING, meta)
+            self._tool_maps[message.id] = tools
+            parent = message.id
+        self._activate(parent)
+        self._requests[TOOL_WORK + reply.id] = []
+        self._next_tool_call(TOOL_WORK + reply.id)
+
+    def _tool_chain(self, work: str) -> list[Message]:
+        """The tool messages below the reply of ``work``, in order (one per call)."""
+        reply_id = work[len(TOOL_WORK):]
+        out, current = [], self.tree.get(reply_id) if reply_id in self.tree else None
+        while current is not None:
+            children = [m for m in self.tree.children(current.id) if m.role == "tool"]
+            current = children[-1] if children else None
+            if current is not None:
+                out.append(current)
+        return out
+
+    def _open_tool_calls(self, work: str) -> list[Message]:
+        """The calls of ``work`` not answered yet."""
+        return [m for m in self._tool_chain(work) if m.status == Status.PENDING]
+
+    def _next_tool_call(self, work: str) -> None:
+        """Ask about the next call (or run it, when its tool is always allowed); when all
+        are answered, the reply goes on with the results."""
+        if work not in self._requests:
+            return
+        pending = [m for m in self._open_tool_calls(work) if m.meta.get("state") == "asking"]
+        if pending:
+            message = pending[0]
+            tool = self._tool_maps.get(message.id, {}).get(message.meta["tool_call"]["name"])
+            if tool is None:
+                self._tool_result(message, "no such tool: "
+                                  f"{message.meta['tool_call']['name']}", error=True)
+                self._next_tool_call(work)
+            elif self.tool_hub.always_allowed(tool):
+                self._run_tool(work, message, tool)
+            else:
+                self.awaiting_tool = message.id
+                self.toolAsk.emit(message.id)
+            return
+        if self._open_tool_calls(work):
+            return  # one is running
+        chain = self._tool_chain(work)
+        # busy throughout: the reply's work is in before this one leaves
+        self._reply(chain[-1].id if chain else work[len(TOOL_WORK):], n=1)
+        self._requests.pop(work, None)
+        self._tool_tasks.pop(work, None)
+        if not self._requests:
+            self._settle()  # the reply could not even be submitted (it says why)
+
+    def answer_tool(self, message_id: str, decision: str) -> None:
+        """The user's answer about a call: "once", "always" (this tool, from now on) or
+        "deny" (the model is told so and goes on)."""
+        if message_id != self.awaiting_tool or message_id not in self.tree:
+            return
+        self.awaiting_tool = None
+        self.toolAsk.emit("")
+        message = self.tree.get(message_id)
+        work = next((w for w in self._requests if w.startswith(TOOL_WORK)
+                     and message in self._open_tool_calls(w)), None)
+        if work is None:
+            return
+        if decision == "deny":
+            message.meta["state"] = "denied"
+            self._tool_result(message, DENIED, error=False)
+            self._next_tool_call(work)
+            return
+        tool = self._tool_maps[message_id][message.meta["tool_call"]["name"]]
+        if decision == "always":
+            self.tool_hub.allow_always(tool)
+        self._run_tool(work, message, tool)
+
+    def _run_tool(self, work: str, message: Message, tool: McpTool) -> None:
+        message.meta["state"] = "running"
+        self.messageChanged.emit(message.id)
+
+        async def run() -> None:
+            try:
+                arguments = json.loads(message.meta["tool_call"]["arguments"] or "{}")
+                if not isinstance(arguments, dict):
+                    raise ValueError("the arguments are not a JSON object")
+                result = await self.tool_hub.call(tool, arguments)
+                text, error = result.text, result.is_error
+            except asyncio.CancelledError:
+                raise
+            except McpError as exc:
+                text, error = str(exc), True
+            except Exception as exc:  # bad arguments, anything else: the model hears it
+                text, error = f"{tool.server_name}: {type(exc).__name__}: {exc}", True
+            if work in self._requests and message.status == Status.PENDING:
+                self._tool_result(message, text, error)
+                self._next_tool_call(work)
+
+        self._tool_tasks[work] = asyncio.ensure_future(run())
+
+    def _tool_result(self, message: Message, text: str, error: bool) -> None:
+        """The call's result (or error) into its tool message: shown, stored, and sent to
+        the model with the rest of the chat."""
+        state = message.meta.get("state")
+        meta = {"state": "denied" if state == "denied" else ("error" if error else "done"),
+                "is_error": error}
+        if error and not text.lower().startswith("error"):
+            text = f"Error: {text}"  # the model (and the user) read it as the call's failure
+        self._finish(message, Status.COMPLETE, text, meta)
+
+    def _end_tool_work(self, work: str, status: str) -> None:
+        """Stop ``work`` (the user pressed stop, the app quits): calls not answered are
+        recorded as stopped, a prompt being prepared is dropped."""
+        task = self._tool_tasks.pop(work, None)
+        if task is not None and not task.done():
+            task.cancel()
+        for message in self._open_tool_calls(work):
+            message.meta["state"] = "stopped"
+            self._finish(message, status, STOPPED_CALL, {})
+        reply_id = work[len(TOOL_WORK):]
+        if reply_id in self.tree and self.tree.get(reply_id).status in Status.LIVE:
+            self._finish(self.tree.get(reply_id), status, None, {"finish_reason": "stopped"})
+        if self.awaiting_tool is not None:
+            self.awaiting_tool = None
+            self.toolAsk.emit("")
+        self._requests.pop(work, None)
 
     # ---- context footer ------------------------------------------------------------------
 
@@ -454,6 +706,7 @@ class SessionManager(QObject):
         self.bridge = bridge
         self.remote = remote  # RemoteBridge: remote chats' replies, the same signals
         self.sessions: dict[str, ChatSession] = {}
+        self.tools: Any = None  # the McpHub behind chats with tools (app/core/mcp.py)
         for source in (bridge, remote) if remote is not None else (bridge,):
             source.tokenReceived.connect(self._on_token)
             source.finalReceived.connect(self._on_final)

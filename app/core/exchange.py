@@ -34,7 +34,7 @@ FORMAT = "pagedchat.chats"
 VERSION = 1
 FORMATS = ("markdown", "html", "json")
 SUFFIX = {"markdown": ".md", "html": ".html", "json": ".json"}
-ROLES = ("user", "assistant", "system")
+ROLES = ("user", "assistant", "system", "tool")  # tool: an MCP call and its result
 STATUSES = (
     Status.COMPLETE,
     Status.LENGTH,
@@ -345,7 +345,7 @@ def import_file(store: Any, path: str | Path) -> list[Conversation]:
 
 # ---- reading formats ------------------------------------------------------------------------
 
-ROLE_LABEL = {"user": "You", "assistant": "Assistant", "system": "System"}
+ROLE_LABEL = {"user": "You", "assistant": "Assistant", "system": "System", "tool": "Tool"}
 
 
 def _stamp(ts: float) -> str:
@@ -391,8 +391,29 @@ def to_markdown(chat: Chat, whole_tree: bool = False) -> str:
         head = f"## {ROLE_LABEL.get(m.role, m.role)}{_note(m)}"
         if label:
             head += f" — {label}"
-        lines += [head, "", m.content, ""]
+        lines += [head, "", shown_text(m), ""]
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def shown_text(m: Message) -> str:
+    """A message as Markdown for the readable exports: a tool message is its call (name,
+    arguments) and its result; a reply that called tools names them after its text."""
+    if m.role == "tool":
+        call = m.meta.get("tool_call") or {}
+        fence = "````" if "```" in m.content else "```"
+        return (f"**Tool call** `{call.get('name', '')}` {_code(call.get('arguments', ''))}"
+                + (f" ({m.meta['server']})" if m.meta.get("server") else "")
+                + f"\n\n{fence}\n{m.content}\n{fence}")
+    calls = m.meta.get("tool_calls") or []
+    named = ", ".join(f"`{c.get('function', {}).get('name', '')}`" for c in calls
+                      if isinstance(c, dict))
+    if named:
+        return f"{m.content}\n\n*Called {named}*".strip()
+    return m.content
+
+
+def _code(text: str) -> str:
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
 
 
 def _quote(text: str) -> str:
@@ -445,7 +466,7 @@ def to_html(chat: Chat, whole_tree: bool = False) -> str:
         role = html.escape(ROLE_LABEL.get(m.role, m.role) + _note(m))
         body.append(
             f'<div class="msg {html.escape(m.role)}"><div class="role">{role}{alt}</div>'
-            f"{_MD.render(m.content)}</div>"
+            f"{_MD.render(shown_text(m))}</div>"
         )
     css = _CSS + _FORMATTER.get_style_defs(".hl")
     return (

@@ -37,10 +37,15 @@ class Status:
 
 @dataclass
 class ChatSettings:
-    """Per-chat settings: the system prompt and sampling (the engine's own SamplingParams)."""
+    """Per-chat settings: the system prompt and sampling (the engine's own SamplingParams),
+    and whether the chat may use the MCP tools of Settings ▸ Tools (``tools``); with
+    ``tool_choice`` "required" the first reply to each message is held to a tool call (a
+    grammar), so even a small model that never calls on its own uses the tool."""
 
     system_prompt: str = ""
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    tools: bool = False
+    tool_choice: str = "auto"  # "auto": the model decides; "required": a call comes first
 
     def to_dict(self) -> dict[str, Any]:
         return to_json(self)

@@ -108,7 +108,15 @@ def _v5(db: sqlite3.Connection) -> None:
         db.execute(statement)
 
 
-MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5]
+def _v6(db: sqlite3.Connection) -> None:
+    """Search in tool calls (MCP tools in chats): an FTS5 index of the name and arguments
+    of the call each `tool` message answers, filled from the messages already there."""
+    _need(db, "messages", "meta")
+    for statement in search.tool_call_index_sql():
+        db.execute(statement)
+
+
+MIGRATIONS: list[Migration] = [_v1, _v2, _v3, _v4, _v5, _v6]
 
 # The columns each table must have once migrated (checked after every open: a table of the
 # same name from something else, or a half-applied old schema, is caught here).

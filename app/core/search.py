@@ -25,6 +25,7 @@ SNIPPET_TOKENS = 12  # words of context in an FTS5 snippet
 SNIPPET_CHARS = 40  # characters of context either side of a substring hit
 TOKENIZER = "unicode61 remove_diacritics 2"
 ATTACHMENT_ROLE = "attachment"  # a Hit's role when the text of an attached file matched
+TOOL_CALL_ROLE = "tool call"  # a Hit's role when a tool call's name or arguments matched
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,18 @@ def search(db: sqlite3.Connection, text: str, limit: int = 200) -> list[Hit]:
         limit,
     ):
         hits.append(Hit(r[0], r[1], r[2], r[3], ATTACHMENT_ROLE, r[4]))
+    for r in _fts(
+        db,
+        "SELECT m.conversation_id, m.id, c.title,"
+        f" snippet(tool_call_fts, 0, '{MARK_START}', '{MARK_END}', '{ELLIPSIS}',"
+        f" {SNIPPET_TOKENS}), bm25(tool_call_fts) FROM tool_call_fts"
+        " JOIN messages m ON m.rowid = tool_call_fts.rowid"
+        " JOIN conversations c ON c.id = m.conversation_id"
+        " WHERE tool_call_fts MATCH ? ORDER BY rank LIMIT ?",
+        query,
+        limit,
+    ):
+        hits.append(Hit(r[0], r[1], r[2], r[3], TOOL_CALL_ROLE, r[4]))
     # substring hits: only rows FTS5 matched nowhere (not merely outside its first `limit`)
     pattern = _like(text)
     title_rows = _like_rows(
@@ -174,6 +187,8 @@ def matching_chats(db: sqlite3.Connection, text: str) -> set[str]:
         " JOIN messages m ON m.rowid = message_fts.rowid WHERE message_fts MATCH ?",
         "SELECT DISTINCT m.conversation_id FROM attachment_fts"
         " JOIN messages m ON m.rowid = attachment_fts.rowid WHERE attachment_fts MATCH ?",
+        "SELECT DISTINCT m.conversation_id FROM tool_call_fts"
+        " JOIN messages m ON m.rowid = tool_call_fts.rowid WHERE tool_call_fts MATCH ?",
     ):
         if query:
             with contextlib.suppress(sqlite3.OperationalError):  # no tokens: no FTS5 hits
@@ -208,6 +223,29 @@ def attachment_index_sql() -> list[str]:
         " SELECT m.rowid, group_concat(json_extract(a.value, '$.text'), char(10))"
         " FROM messages m, json_each(CASE WHEN json_valid(m.meta) THEN m.meta ELSE '{}' END,"
         " '$.attachments') a GROUP BY m.rowid",
+    ]
+
+
+def tool_call_index_sql() -> list[str]:
+    """Schema v6: the name and arguments of the tool call a `tool` message answers
+    (`meta["tool_call"]`, app/chat/session.py), in an FTS5 table keyed by the message's
+    rowid; its result is the message's content, in `message_fts` already."""
+    text = ("json_extract({m}.meta, '$.tool_call.name') || ' ' ||"
+            " coalesce(json_extract({m}.meta, '$.tool_call.arguments'), '')")
+    rows = ("SELECT {m}.rowid, " + text + " WHERE json_valid({m}.meta)"
+            " AND json_extract({m}.meta, '$.tool_call.name') IS NOT NULL")
+    return [
+        f"CREATE VIRTUAL TABLE tool_call_fts USING fts5(text, tokenize='{TOKENIZER}')",
+        "CREATE TRIGGER tool_call_fts_ai AFTER INSERT ON messages BEGIN"
+        f" INSERT INTO tool_call_fts(rowid, text) {rows.format(m='new')}; END",
+        "CREATE TRIGGER tool_call_fts_ad AFTER DELETE ON messages BEGIN"
+        " DELETE FROM tool_call_fts WHERE rowid = old.rowid; END",
+        "CREATE TRIGGER tool_call_fts_au AFTER UPDATE OF meta ON messages BEGIN"
+        " DELETE FROM tool_call_fts WHERE rowid = old.rowid;"
+        f" INSERT INTO tool_call_fts(rowid, text) {rows.format(m='new')}; END",
+        "INSERT INTO tool_call_fts(rowid, text) SELECT m.rowid, "
+        + text.format(m="m") + " FROM messages m WHERE json_valid(m.meta)"
+        " AND json_extract(m.meta, '$.tool_call.name') IS NOT NULL",
     ]
 
 

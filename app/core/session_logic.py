@@ -15,6 +15,7 @@ from typing import Any
 
 from app.core.attachments import from_meta, prompt_content
 from app.core.records import ChatSettings, Message, Status, new_id
+from app.core.tool_calls import tool_messages
 from engine import FinishReason, Usage
 
 TITLE_LENGTH = 48
@@ -79,15 +80,34 @@ def usage_dict(usage: Usage | None) -> dict[str, Any]:
 
 
 def prompt_messages(system_prompt: str, path: list[Message]) -> list[dict[str, str]]:
-    """What the engine sees for a reply below a path: system prompt + that path."""
-    out: list[dict[str, str]] = []
+    """What the engine sees for a reply below a path: system prompt + that path. Tool calls
+    and results (MCP tools) are written as plain turns in the common format, so a chat whose
+    tools were switched off still shows the model what happened."""
+    messages, raw = prompt_with_calls(system_prompt, path)
+    return tool_messages(messages, raw, native=False)
+
+
+def prompt_with_calls(system_prompt: str, path: list[Message]) -> tuple[list[dict], list[dict]]:
+    """The path as chat messages, and the same in OpenAI's shape (an assistant's
+    ``tool_calls``, a tool result's ``tool_call_id``) for app/core/tool_calls.py."""
+    out: list[dict] = []
+    raw: list[dict] = []
     if system_prompt.strip():
         out.append({"role": "system", "content": system_prompt})
+        raw.append({})
     for m in path:
-        if m.role == "assistant" and (m.status == Status.ERROR or not m.content):
+        calls = m.meta.get("tool_calls") if m.role == "assistant" else None
+        if m.role == "assistant" and (m.status == Status.ERROR or not (m.content or calls)):
             continue  # a failed or empty reply carries nothing for the model
+        if m.role == "tool":
+            if m.status in Status.LIVE:
+                continue  # not answered yet
+            out.append({"role": "tool", "content": m.content})
+            raw.append({"tool_call_id": m.meta.get("tool_call", {}).get("id")})
+            continue
         out.append({"role": m.role, "content": prompt_content(m.content, from_meta(m.meta))})
-    return out
+        raw.append({"tool_calls": calls} if calls else {})
+    return out, raw
 
 
 def branch_copies(

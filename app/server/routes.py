@@ -26,19 +26,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.core.model_names import model_id
+from app.core.tool_calls import ToolPrompt, chat_prompt
 from app.server.errors import APIError
 from app.server.keys import bearer_matches
 from app.server.params import ParsedRequest, parse_chat, parse_completion, with_max_tokens
 from app.server.streaming import Reply, sse_events
-from app.server.tools import (
-    COMMON_END,
-    COMMON_START,
-    CallSplitter,
-    CallSyntax,
-    call_constraint,
-    tool_messages,
-    with_tool_hint,
-)
+from app.server.tools import CallSplitter, call_constraint
 from engine import Engine, FinalEvent, FinishReason, Priority, RequestHandle
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
@@ -207,31 +200,12 @@ def _check_model(engine: Engine, state: _State, parsed: ParsedRequest) -> None:
                        code="model_not_found")
 
 
-@dataclass
-class _Prompt:
-    tokens: list[int]
-    syntax: CallSyntax | None = None  # how the reply writes tool calls (None: not parsed)
+_Prompt = ToolPrompt  # the prompt and how its reply writes calls (app/core/tool_calls.py)
 
 
 def _chat_prompt(engine: Engine, parsed: ParsedRequest) -> _Prompt:
-    """The chat's prompt, with its tools (app/server/tools.py): through the model's own
-    template and call format when it has both, else described in the common format."""
-    use = parsed.tool_use
-    fmt = engine.tool_call_format()
-    native = fmt is not None and (use is None or engine.encode_chat(
-        parsed.messages, tools=use.tools) != engine.encode_chat(parsed.messages))
-    messages = tool_messages(parsed.messages, parsed.raw_messages or [], native)
-    if use is None or use.choice == "none":
-        return _Prompt(engine.encode_chat(messages))
-    if native:
-        tokens = engine.encode_chat(messages, tools=use.tools)
-        syntax = CallSyntax(fmt.start, fmt.end, fmt)
-    else:
-        tokens = engine.encode_chat(with_tool_hint(messages, use))
-        syntax = CallSyntax(COMMON_START, COMMON_END, None)
-    if use.forced:  # the grammar writes JSON calls between the common markers
-        syntax = CallSyntax(COMMON_START, COMMON_END, None)
-    return _Prompt(tokens, syntax)
+    """The chat's prompt, with its tools (shared with the app's chats)."""
+    return chat_prompt(engine, parsed.messages, parsed.raw_messages or [], parsed.tool_use)
 
 
 async def _prompt_tokens(engine: Engine, parsed: ParsedRequest) -> _Prompt:

@@ -32,12 +32,13 @@ from app.core.app_settings import AppSettings
 from app.core.records import ChatSettings
 from app.settings.forms import ChatSettingsForm, CheckedDialog
 from app.settings.providers_page import ProvidersPage
+from app.settings.tools_page import ToolsPage
 from engine import BLOCK_SIZES, SamplingParams
 
 
 class SettingsDialog(CheckedDialog):
     def __init__(self, settings: AppSettings, parent: QWidget | None = None,
-                 registry: Any = None,
+                 registry: Any = None, tools: Any = None,
                  new_chat_defaults: tuple[SamplingParams, str] | None = None) -> None:
         super().__init__("Settings", "Settings", 520, parent)
         self._initial = settings
@@ -59,6 +60,10 @@ class SettingsDialog(CheckedDialog):
         if registry is not None:  # applied at once (keys go straight to the keychain)
             self.providers_page = ProvidersPage(registry)
             tabs.addTab(self.providers_page, "&Providers")
+        self.tools_page: ToolsPage | None = None
+        if tools is not None:  # the MCP servers (app/core/mcp.py), applied at once too
+            self.tools_page = ToolsPage(tools)
+            tabs.addTab(self.tools_page, "&Tools")
         self._kind_changed()
 
     # ---- tabs ----------------------------------------------------------------------------
@@ -142,7 +147,8 @@ class SettingsDialog(CheckedDialog):
         v = QVBoxLayout(page)
         defaults = ChatSettings(s.default_system_prompt, self._shown_defaults)
         self.defaults = ChatSettingsForm(
-            defaults, "Default &system prompt for new chats:", "Default system prompt", 90
+            defaults, "Default &system prompt for new chats:", "Default system prompt", 90,
+            with_tools=False,
         )
         self.system_prompt = self.defaults.system_prompt
         self.sampling = self.defaults.sampling

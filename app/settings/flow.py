@@ -49,9 +49,12 @@ class SettingsFlow:
         """Show the Settings dialog (on the Providers tab for ``tab="providers"``)."""
         w = self.window
         dialog = SettingsDialog(w.settings, w, registry=w.registry,
+                                tools=getattr(w, "tools", None),
                                 new_chat_defaults=self.new_chat_sampling())
         if tab == "providers" and dialog.providers_page is not None:
             dialog.tabs.setCurrentWidget(dialog.providers_page)
+        if tab == "tools" and dialog.tools_page is not None:
+            dialog.tabs.setCurrentWidget(dialog.tools_page)
         if dialog.exec() == QDialog.DialogCode.Accepted:
             self.apply(dialog.value(), token_changed=dialog.token_changed)
 

@@ -15,6 +15,7 @@ from PySide6.QtCore import QEvent, QObject, Qt
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import (
     QAbstractSpinBox,
+    QCheckBox,
     QDialog,
     QDialogButtonBox,
     QDoubleSpinBox,
@@ -153,6 +154,7 @@ class ChatSettingsForm(QWidget):
         height: int,
         placeholder: str = "",
         parent: QWidget | None = None,
+        with_tools: bool = True,
     ) -> None:
         super().__init__(parent)
         v = QVBoxLayout(self)
@@ -172,6 +174,24 @@ class ChatSettingsForm(QWidget):
         self.system_prompt.installEventFilter(self)
         self.sampling = SamplingForm(settings.sampling)
         v.addWidget(self.sampling)
+        # MCP tools (Settings ▸ Tools): a folder's settings carry them to its new chats
+        self.tools_check = QCheckBox("Use &tools (the MCP servers of Settings ▸ Tools)")
+        self.tools_check.setAccessibleName("Use MCP tools")
+        self.tools_check.setChecked(settings.tools)
+        self.tools_first = QCheckBox("Call a tool &first (for models that never call on"
+                                     " their own)")
+        self.tools_first.setAccessibleName("Call a tool first")
+        self.tools_first.setToolTip("The first reply to each message is held to a valid tool"
+                                    " call (a grammar); the reply after the result is free.")
+        self.tools_first.setChecked(settings.tool_choice == "required")
+        self.tools_first.setEnabled(settings.tools)
+        self.tools_check.toggled.connect(self.tools_first.setEnabled)
+        if with_tools:  # the app-wide defaults keep no tool choice: the tools stay off
+            v.addWidget(self.tools_check)
+            v.addWidget(self.tools_first)
+        else:
+            self.tools_check.hide()
+            self.tools_first.hide()
 
     def eventFilter(self, obj: QObject, event: QEvent) -> bool:
         """Ctrl/⌘+Enter in the prompt box accepts the dialog (Enter itself adds a line)."""
@@ -190,7 +210,9 @@ class ChatSettingsForm(QWidget):
     def value(self) -> ChatSettings:
         """The edited settings (raises ValueError when the engine refuses the sampling)."""
         return ChatSettings(
-            system_prompt=self.system_prompt.toPlainText(), sampling=self.sampling.value()
+            system_prompt=self.system_prompt.toPlainText(), sampling=self.sampling.value(),
+            tools=self.tools_check.isChecked(),
+            tool_choice="required" if self.tools_first.isChecked() else "auto",
         )
 
 

@@ -31,6 +31,7 @@ from app.chat.session import ChatSession, SessionManager
 from app.chat.titler import ChatTitler
 from app.core import openblas
 from app.core.app_settings import AppSettings
+from app.core.mcp import McpHub
 from app.core.providers import ProviderRegistry
 from app.library.flow import LibraryFlow
 from app.library.folder_bar import ALL as ALL_FOLDERS
@@ -74,6 +75,8 @@ class MainWindow(QMainWindow):
         self.models_window: Any = None  # the Models window, made on first use (settings_flow)
         self.remote = RemoteBridge(self.registry, self)
         self.manager = SessionManager(store, bridge, self, remote=self.remote)
+        self.tools = McpHub(store)  # MCP servers and their tools, for chats with tools on
+        self.manager.tools = self.tools
         self.titler = ChatTitler(self.manager, bridge, self)  # titles by the model
         self.settings_flow = SettingsFlow(self)
         self.library_flow = LibraryFlow(self)
@@ -461,6 +464,7 @@ class MainWindow(QMainWindow):
         self.save_layout()
         self.server_panel.shutdown()
         self.manager.interrupt_all()
+        self.tools.close()
         self._closed = True
 
     def closeEvent(self, event: QCloseEvent) -> None:
