@@ -128,9 +128,10 @@ def test_migration_indexes_files_attached_before_search_in_them(tmp_path):
         "attachments": [{"name": "x.txt", "kind": "text", "text": "zebrafish genome"}]}))
     store.close()
     con = sqlite3.connect(tmp_path / DB_NAME)  # back to version 4: no attachment index
-    for name in ("attachment_fts_ai", "attachment_fts_ad", "attachment_fts_au"):
-        con.execute(f"DROP TRIGGER {name}")
-    con.execute("DROP TABLE attachment_fts")
+    for index in ("attachment_fts", "tool_call_fts"):  # (v5's, and v6's, made after it)
+        for suffix in ("ai", "ad", "au"):
+            con.execute(f"DROP TRIGGER {index}_{suffix}")
+        con.execute(f"DROP TABLE {index}")
     con.execute("PRAGMA user_version=4")
     con.commit()
     con.close()
