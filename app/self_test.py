@@ -87,6 +87,24 @@ def check_resources() -> None:
         raise SelfTestError(f"the Metal shader {kernels.SHADER_PATH} is unusable: {e}") from e
 
 
+def check_constrained(engine) -> None:
+    """A reply held to a grammar (llguidance's native library and its package data must
+    have travelled with the bundle)."""
+    from engine import Constraint, FinishReason, SamplingParams
+
+    pattern = r"(yes|no)"
+    handle = engine.submit(
+        messages=[{"role": "user", "content": "Is water wet? Answer yes or no."}],
+        params=SamplingParams(temperature=0.0, max_tokens=8,
+                              constraint=Constraint("regex", pattern)),
+        session_id="self-test",
+    )
+    (final,) = handle.result(GENERATE_TIMEOUT_S)
+    if final.finish_reason is not FinishReason.STOP or final.text not in ("yes", "no"):
+        raise SelfTestError(f"a constrained reply broke its grammar: {final.text!r} "
+                            f"({final.finish_reason}, {final.error})")
+
+
 def generate(result: SelfTestResult) -> object:
     """Load the default model and answer PROMPT greedily; returns the running engine."""
     import mlx.core as mx
@@ -129,6 +147,7 @@ def generate(result: SelfTestResult) -> object:
             raise SelfTestError(
                 f"wrong answer to {PROMPT!r}: {final.text!r} (numerics broken in this build?)"
             )
+        check_constrained(engine)
     except BaseException:
         engine.stop()
         raise
