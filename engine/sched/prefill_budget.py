@@ -23,6 +23,8 @@ import numpy as np
 DECAY = 0.7
 #: Prompt tokens a step takes at least when it takes any: a long prompt always advances.
 MIN_PROMPT_TOKENS = 8
+#: A chunk is at most this many times the largest one measured so far beside decodes.
+GROWTH = 2
 #: A prompt too costly for one step's allowance runs at least once every this many steps.
 MAX_SKIPPED_STEPS = 4
 
@@ -38,6 +40,8 @@ class PrefillBudget:
         self.cost = TokenCost()  # what one prompt token adds to a step, by its context
         self._banked = 0.0  # allowance saved by skipped steps (seconds)
         self._skipped = 0
+        self._largest_seen = 0  # the largest chunk measured beside decodes
+        self._per_token: float | None = None  # measured seconds per prompt token (EMA)
         #: The last budget() skipped the prompts under way (new prompts may still start).
         self.holding = False
 
@@ -64,8 +68,13 @@ class PrefillBudget:
             fits = self.min_chunk  # the guaranteed share
         else:
             fits = self.cost.tokens_within(allowance + self._banked, context)
+            if self._per_token:  # and at most 3x what the measured average cost allows
+                fits = min(fits, int(3 * (allowance + self._banked) / self._per_token))
         self._banked, self._skipped = 0.0, 0
-        return int(max(self.min_chunk, min(self.max_chunk, fits)))
+        # never more than twice the largest chunk measured: a fit is an extrapolation, and
+        # one wrong by 10x would stall every streaming chat for seconds
+        ceiling = max(self.min_chunk, GROWTH * self._largest_seen)
+        return int(max(self.min_chunk, min(self.max_chunk, ceiling, fits)))
 
     def observe(self, step_s: float, decode_rows: int, prompt_tokens: int,
                 prompt_context: float = 0.0) -> None:
@@ -80,6 +89,8 @@ class PrefillBudget:
             # whose prompt share cannot be told yet
             return
         self.cost.observe(prompt_tokens, prompt_context, max(step_s - self.decode_s, 0.0))
+        self._largest_seen = max(self._largest_seen, prompt_tokens)
+        self._per_token = _ema(self._per_token, max(step_s - self.decode_s, 1e-9) / prompt_tokens)
 
 
 class TokenCost:
