@@ -3,10 +3,13 @@
 A fixed chunk is a token count, and a prompt token costs more the longer the context it
 attends to, so a long paste could make every step of the chats that are streaming take
 seconds. Instead, while any chat decodes, the budget aims each step at ``target`` times a
-pure decode step: from the measured decode-step time and the measured cost of a chunk
-(``TokenCost``: a fixed part per chunk, plus per token a part that grows with the context the
-token attends to, fitted to recent steps), it admits the prompt tokens that fit. A prompt
-alone gets the whole ``max_chunk``.
+pure decode step: from the measured decode-step time and the measured cost of a prompt token
+*at the context it is read at* (``TokenCost``: a line fitted to recent steps, cost = a + b *
+context), it admits the prompt tokens that fit, never more than twice the largest chunk
+measured nor 3x what the measured average cost allows. A prompt alone gets the whole
+``max_chunk``. (A fixed cost per chunk in the fit, tried and measured on the CPU paste
+bench, kept steps nearer the target on average but misjudged often enough to raise the p99
+gap from 2.6x to 5-8x a decode step: this simpler line is kept.)
 
 When not even ``min_chunk`` tokens fit at a prompt's context (a very long paste beside fast
 decodes), the prompt skips steps: each skipped step banks its allowance, and the prompt runs
@@ -16,8 +19,6 @@ speed and the average step at the target.
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 #: Weight kept by the older measurements at each new one (the fit follows a changing mix).
 DECAY = 0.7
@@ -90,83 +91,55 @@ class PrefillBudget:
             # a prompt alone (the budget does not apply: it runs at max_chunk), or a step
             # whose prompt share cannot be told yet
             return
-        self.cost.observe(prompt_tokens, prompt_context, max(step_s - self.decode_s, 0.0))
+        per_token = max(step_s - self.decode_s, 1e-9) / prompt_tokens
+        self.cost.observe(prompt_context, per_token)
         self._largest_seen = max(self._largest_seen, prompt_tokens)
-        self._per_token = _ema(self._per_token, max(step_s - self.decode_s, 1e-9) / prompt_tokens)
+        self._per_token = _ema(self._per_token, per_token)
 
 
 class TokenCost:
-    """What a step's prompt chunk adds to it: ``fixed + n * (a + b * context)`` seconds for
-    ``n`` tokens read at a mean context ``context``, fitted by exponentially weighted least
-    squares (``DECAY``) over the steps that decoded too, all three terms >= 0.
-
-    The fixed term is what a chunk costs whatever its size (gathering its context for
-    attention, the chunk's own graph): without it a small chunk's cost per token looks high,
-    the next chunk is made smaller still, and a paste crawls. The context term is attention
-    over the tokens before: a chunk at 3,000 tokens of context is not priced like a short
-    prompt's chunk just before it."""
-
-    _SCALE = np.array([1.0, 100.0, 100_000.0])  # feature scales: a well-conditioned solve
+    """A prompt token's cost as a line in its context, ``a + b * context``, fitted by
+    exponentially weighted least squares (``DECAY``), so the cost of a chunk at 3,000 tokens
+    of context is not taken from a short prompt's chunk just before it."""
 
     def __init__(self) -> None:
-        self._xx = np.zeros((3, 3))
-        self._xy = np.zeros(3)
-        self._w = 0.0
-        self._terms = np.zeros(3)
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
 
     @property
     def ready(self) -> bool:
         return self._w > 0.0
 
-    def observe(self, tokens: int, context: float, seconds: float) -> None:
-        """One chunk of ``tokens`` at mean ``context`` added ``seconds`` to its step."""
-        x = np.array([1.0, tokens, tokens * context]) / self._SCALE
-        self._xx = DECAY * self._xx + np.outer(x, x)
-        self._xy = DECAY * self._xy + x * seconds
-        self._w = DECAY * self._w + 1.0
-        self._terms = self._solve()
+    def observe(self, context: float, seconds_per_token: float) -> None:
+        d = DECAY
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + context
+        self._y = d * self._y + seconds_per_token
+        self._xx = d * self._xx + context * context
+        self._xy = d * self._xy + context * seconds_per_token
 
-    def _solve(self) -> np.ndarray:
-        """Non-negative terms: least squares, then refitted without any that came out
-        negative (three unknowns: a few passes settle it). A small ridge keeps a term that
-        the data cannot tell apart (every chunk of one size) at its share of the mean."""
-        ridge = 1e-6 * (np.trace(self._xx) + 1e-12)
-        free = [0, 1, 2]
-        terms = np.zeros(3)
-        for _ in range(3):
-            sub = self._xx[np.ix_(free, free)] + ridge * np.eye(len(free))
-            solved = np.linalg.solve(sub, self._xy[free])
-            if (solved >= 0).all():
-                terms[:] = 0.0
-                terms[free] = solved
-                break
-            free = [f for f, v in zip(free, solved) if v > 0]
-            if not free:
-                break
-        return terms / self._SCALE
-
-    def line(self) -> tuple[float, float, float]:
-        """(fixed, a, b): seconds per chunk, per token, per token and token of context."""
-        fixed, a, b = (float(v) for v in self._terms)
-        return fixed, max(a, 1e-9), b
+    def line(self) -> tuple[float, float]:
+        """(a, b): the cost of a token at context 0 and what each token of context adds
+        (b >= 0; a flat line while the contexts seen are all alike)."""
+        mx_, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx_ * mx_
+        b = (self._xy / self._w - mx_ * my) / var if var > 1e-6 * (1.0 + mx_ * mx_) else 0.0
+        b = max(b, 0.0)
+        return max(my - b * mx_, 1e-9), b
 
     def of(self, tokens: int, context: int) -> float:
         """Seconds ``tokens`` prompt tokens add to a step, read from ``context`` on."""
-        fixed, a, b = self.line()
-        return fixed + tokens * (a + b * (context + tokens / 2.0))
+        a, b = self.line()
+        return tokens * max(a + b * (context + tokens / 2.0), 1e-9)
 
     def tokens_within(self, seconds: float, context: int) -> int:
         """The most prompt tokens from ``context`` on that add at most ``seconds``: the
-        positive root of (b/2) n^2 + (a + b context) n = seconds - fixed."""
-        fixed, a, b = self.line()
-        left = seconds - fixed
-        if left <= 0.0:
-            return 0
-        linear = a + b * context
+        positive root of (b/2) n^2 + (a + b context) n = seconds."""
+        a, b = self.line()
+        linear = max(a + b * context, 1e-9)
         if b <= 0.0:
-            return int(left / linear)
+            return int(seconds / linear)
         half = b / 2.0
-        return int((-linear + (linear * linear + 4.0 * half * left) ** 0.5) / (2.0 * half))
+        return int((-linear + (linear * linear + 4.0 * half * seconds) ** 0.5) / (2.0 * half))
 
 
 def _ema(previous: float | None, value: float) -> float:
