@@ -4,12 +4,8 @@ A fixed chunk is a token count, and a prompt token costs more the longer the con
 attends to, so a long paste could make every step of the chats that are streaming take
 seconds. Instead, while any chat decodes, the budget aims each step at ``target`` times a
 pure decode step: from the measured decode-step time and the measured cost of a prompt token
-*at the context it is read at* (``TokenCost``: a line fitted to recent steps, cost = a + b *
-context), it admits the prompt tokens that fit, never more than twice the largest chunk
-measured nor 3x what the measured average cost allows. A prompt alone gets the whole
-``max_chunk``. (A fixed cost per chunk in the fit, tried and measured on the CPU paste
-bench, kept steps nearer the target on average but misjudged often enough to raise the p99
-gap from 2.6x to 5-8x a decode step: this simpler line is kept.)
+*at the context it is read at* (a line fitted to recent steps, cost = a + b * context), it
+admits the prompt tokens that fit. A prompt alone gets the whole ``max_chunk``.
 
 When not even ``min_chunk`` tokens fit at a prompt's context (a very long paste beside fast
 decodes), the prompt skips steps: each skipped step banks its allowance, and the prompt runs
@@ -24,8 +20,6 @@ from __future__ import annotations
 DECAY = 0.7
 #: Prompt tokens a step takes at least when it takes any: a long prompt always advances.
 MIN_PROMPT_TOKENS = 8
-#: A chunk is at most this many times the largest one measured so far beside decodes.
-GROWTH = 2
 #: A prompt too costly for one step's allowance runs at least once every this many steps.
 MAX_SKIPPED_STEPS = 4
 
@@ -41,8 +35,6 @@ class PrefillBudget:
         self.cost = TokenCost()  # what one prompt token adds to a step, by its context
         self._banked = 0.0  # allowance saved by skipped steps (seconds)
         self._skipped = 0
-        self._largest_seen = 0  # the largest chunk measured beside decodes
-        self._per_token: float | None = None  # measured seconds per prompt token (EMA)
         #: The last budget() skipped the prompts under way (new prompts may still start).
         self.holding = False
 
@@ -62,22 +54,15 @@ class PrefillBudget:
         if self.cost.of(self.min_chunk, context) > allowance + self._banked:
             if self._skipped < MAX_SKIPPED_STEPS:
                 self._skipped += 1
-                # at most one step's allowance kept: a chunk step stays within twice the
-                # target's extra time (banking four steps made 6x steps: the p99 gap)
-                self._banked = min(self._banked + allowance, allowance)
+                self._banked += allowance
                 self.holding = True
                 fresh = self.cost.tokens_within(allowance, 0)
                 return int(max(self.min_chunk, min(self.max_chunk, fresh)))
             fits = self.min_chunk  # the guaranteed share
         else:
             fits = self.cost.tokens_within(allowance + self._banked, context)
-            if self._per_token:  # and at most 3x what the measured average cost allows
-                fits = min(fits, int(3 * (allowance + self._banked) / self._per_token))
         self._banked, self._skipped = 0.0, 0
-        # never more than twice the largest chunk measured: a fit is an extrapolation, and
-        # one wrong by 10x would stall every streaming chat for seconds
-        ceiling = max(self.min_chunk, GROWTH * self._largest_seen)
-        return int(max(self.min_chunk, min(self.max_chunk, ceiling, fits)))
+        return int(max(self.min_chunk, min(self.max_chunk, fits)))
 
     def observe(self, step_s: float, decode_rows: int, prompt_tokens: int,
                 prompt_context: float = 0.0) -> None:
@@ -87,14 +72,10 @@ class PrefillBudget:
             if decode_rows:
                 self.decode_s = _ema(self.decode_s, step_s)
             return
-        if not decode_rows or self.decode_s is None:
-            # a prompt alone (the budget does not apply: it runs at max_chunk), or a step
-            # whose prompt share cannot be told yet
-            return
-        per_token = max(step_s - self.decode_s, 1e-9) / prompt_tokens
-        self.cost.observe(prompt_context, per_token)
-        self._largest_seen = max(self._largest_seen, prompt_tokens)
-        self._per_token = _ema(self._per_token, per_token)
+        if decode_rows and self.decode_s is None:
+            return  # cannot tell the prompt's share of this step yet
+        base = self.decode_s if decode_rows else 0.0
+        self.cost.observe(prompt_context, max(step_s - base, 1e-9) / prompt_tokens)
 
 
 class TokenCost:
