@@ -17,6 +17,11 @@ independent reference; fp32 weights):
 * preemption in a pool too small for every reply at once;
 * cancelling a request in the middle of a long prefill (its blocks come back);
 * stop strings (the reply ends before the string);
+* the app's repetition penalty on the device, overlapped, next to rows without it (greedy
+  against mlx-lm's own ``make_logits_processors``);
+* log-probabilities (the chosen token's and the top 5) against mlx-lm's log-softmax;
+* a constrained reply (llguidance's mask applied on the device) against mlx-lm's greedy
+  restricted by hand to the tokens a finite language allows, on a byte-level tokenizer;
 * no request anywhere ends with ``finish_reason`` error.
 
 Greedy tokens must equal the reference's up to the first near-tie of the reference (top two
@@ -46,6 +51,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from engine import (  # noqa: E402
+    Constraint,
     Engine,
     EngineConfig,
     FinalEvent,
@@ -57,6 +63,8 @@ from engine import (  # noqa: E402
 #: Relative gap between the reference's two best logits under which a flipped greedy token
 #: is rounding, not a bug (fp32 on a GPU: TF32 matmuls round at about 1e-3).
 TIE = 2e-3
+#: Log-probabilities: the engine's batched fp32 log-softmax against mlx-lm's (TF32 on a GPU).
+LOGPROB_TOL = 2e-2
 
 
 @dataclass(frozen=True)
@@ -97,16 +105,20 @@ QUICK = Sizes(
 # ---- the model folder: an ordinary mlx-lm folder, loaded by the engine as a user's would be --
 
 
-def write_model_folder(folder: Path, sizes: Sizes, seed: int = 0) -> Path:
-    """A random-weight fp32 llama with a word-level tokenizer (one word per id)."""
+def write_model_folder(folder: Path, sizes: Sizes, seed: int = 0, byte_level: bool = False
+                       ) -> Path:
+    """A random-weight fp32 llama with a word-level tokenizer (one word per id), or with
+    ``byte_level`` a byte-level BPE one (one byte per id, then the end-of-sequence token):
+    the tokenizer kind llguidance can constrain."""
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    config = dict(model_type="llama", vocab_size=sizes.vocab, rms_norm_eps=1e-5,
+    vocab = 257 if byte_level else sizes.vocab
+    config = dict(model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5,
                   rope_theta=500000.0, tie_word_embeddings=False,
                   max_position_embeddings=sizes.context, bos_token_id=0,
-                  eos_token_id=sizes.vocab - 1, torch_dtype="float32", **sizes.model)
+                  eos_token_id=vocab - 1, torch_dtype="float32", **sizes.model)
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
@@ -114,18 +126,48 @@ def write_model_folder(folder: Path, sizes: Sizes, seed: int = 0) -> Path:
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())),
                         metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(sizes.vocab)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    if byte_level:
+        chars = pre_tokenizers.ByteLevel.alphabet()
+        byte_chars = sorted(chars, key=lambda c: _BYTE_OF[c])
+        tok = Tokenizer(models.BPE({c: i for i, c in enumerate(byte_chars)} | {"<eos>": 256},
+                                   merges=[]))
+        tok.add_special_tokens(["<eos>"])
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        bos = eos = "<eos>"
+    else:
+        tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+        bos, eos = "w0", f"w{vocab - 1}"
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(dict(
-        tokenizer_class="PreTrainedTokenizerFast", bos_token="w0",
-        eos_token=f"w{sizes.vocab - 1}", unk_token="w0")))
+        tokenizer_class="PreTrainedTokenizerFast", bos_token=bos, eos_token=eos,
+        unk_token=bos)))
     return folder
 
 
+def _gpt2_byte_chars() -> dict[str, int]:
+    """GPT-2's byte-to-character table (a byte-level BPE's alphabet), character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _gpt2_byte_chars()
+
+
 class Reference:
-    """mlx-lm's own greedy generation (its KVCache, one sequence) with the logit gaps."""
+    """mlx-lm's own greedy generation (its KVCache, one sequence) with the logit gaps; and
+    :meth:`decode`, the same with mlx-lm's repetition penalty, a hand-made allowed set and
+    the log-softmax of every step."""
 
     def __init__(self, folder: Path) -> None:
         import mlx_lm
@@ -155,6 +197,43 @@ class Reference:
                 logits = self.model(mx.array([[token]]), cache=cache)[0, -1]
             self._memo[key] = (tokens, gaps)
         return self._memo[key]
+
+    def decode(self, prompt: list[int], max_tokens: int, penalty: float = 1.0,
+               penalty_window: int = 128, allowed=None
+               ) -> tuple[list[int], list[float], list[np.ndarray]]:
+        """Greedy tokens, logit gaps and log-softmax rows (of the raw logits); with
+        ``penalty`` through mlx-lm's ``make_logits_processors`` on prompt + reply, and with
+        ``allowed(reply) -> set of ids`` the argmax restricted to that set."""
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.sample_utils import make_logits_processors
+
+        processors = make_logits_processors(repetition_penalty=penalty,
+                                            repetition_context_size=penalty_window) \
+            if penalty != 1.0 else []
+        cache = make_prompt_cache(self.model)
+        logits = self.model(mx.array([prompt]), cache=cache)[0, -1]
+        tokens, gaps, logsoftmax = [], [], []
+        for _ in range(max_tokens):
+            raw = logits.astype(mx.float32)
+            logsoftmax.append(np.array(raw - mx.logsumexp(raw)))
+            x = raw[None]
+            for processor in processors:
+                x = processor(mx.array(prompt + tokens, dtype=mx.int32), x)
+            x = np.array(x[0], dtype=np.float64)
+            if allowed is not None:
+                keep = np.full(x.shape, -np.inf)
+                ids = sorted(allowed(tokens))
+                keep[ids] = x[ids]
+                x = keep
+            order = np.argsort(-x)
+            token = int(order[0])
+            hi, lo = x[order[0]], x[order[1]]
+            gaps.append(1.0 if not np.isfinite(lo) else (hi - lo) / (abs(hi) + 1.0))
+            tokens.append(token)
+            if token in self.tokenizer.eos_token_ids:
+                break
+            logits = self.model(mx.array([[token]]), cache=cache)[0, -1]
+        return tokens, gaps, logsoftmax
 
 
 # ---- results ---------------------------------------------------------------------------------
@@ -323,6 +402,90 @@ def stop_strings(results: Results, eng: Engine, ref: Reference, sizes: Sizes) ->
                       f"{final.text!r} (stop {stop!r})")
 
 
+def penalty_and_logprobs(results: Results, eng: Engine, ref: Reference, sizes: Sizes) -> None:
+    """The app's default penalty (1.15 over 128 tokens) on three greedy rows that overlap,
+    next to a row without it; then the log-probabilities of a greedy reply."""
+    new = 3 * sizes.new_tokens
+    penalised = SamplingParams(temperature=0.0, max_tokens=new, repetition_penalty=1.15,
+                               repetition_context_size=128)
+    plain = SamplingParams(temperature=0.0, max_tokens=new)
+    prompts = [prompt_of(n, sizes.vocab, seed=60 + n) for n in (5, 2 * sizes.block_size + 1,
+                                                                 70, 9)]
+    handles = [eng.submit(prompt_tokens=p, session_id=f"penalty-{i}",
+                          params=plain if i == 3 else penalised) for i, p in enumerate(prompts)]
+    changed = 0
+    for i, handle in enumerate(handles):
+        tokens, finals = collect(handle)
+        name = f"repetition penalty row {i}" if i < 3 else "row without penalty next to them"
+        if ended_well(results, name, finals):
+            expected, gaps, _ = ref.decode(prompts[i], new, penalty=1.15 if i < 3 else 1.0)
+            compare_greedy(results, f"{name} greedy", tokens.get(0, []), expected, gaps)
+            changed += i < 3 and expected != ref.decode(prompts[i], new)[0]
+    results.check("the penalty changes a reply (the check above can fail)", changed > 0,
+                  "the three replies are the same with and without it")
+
+    prompt = prompt_of(40, sizes.vocab, seed=70)
+    events = [e for e in eng.submit(prompt_tokens=prompt, session_id="logprobs",
+                                    params=SamplingParams(temperature=0.0, logprobs=5,
+                                                          max_tokens=sizes.new_tokens))]
+    finals = {e.index: e for e in events if isinstance(e, FinalEvent)}
+    if not ended_well(results, "logprobs", finals):
+        return
+    got = [lp for e in events if isinstance(e, TokenEvent) for lp in (e.logprobs or ())]
+    expected, _, rows = ref.decode(prompt, sizes.new_tokens)
+    results.check("logprobs: one per reply token", len(got) == len([
+        t for t in expected if t not in ref.tokenizer.eos_token_ids]),
+        f"{len(got)} for {len(expected)} tokens")
+    worst = 0.0
+    for lp, row in zip(got, rows):
+        kth = np.sort(row)[-5]
+        worst = max(worst, abs(lp.logprob - row[lp.token_id]),
+                    *(abs(v - row[t]) for t, v in lp.top),
+                    *(kth - row[t] for t, _ in lp.top))
+    results.check("logprobs equal mlx-lm's log-softmax (token and top 5)", worst < LOGPROB_TOL,
+                  f"largest difference {worst:.2e}")
+
+
+def constrained(results: Results, folder: Path, sizes: Sizes) -> None:
+    """A regex of a finite language on a byte-level model: the greedy reply must be mlx-lm's
+    greedy with every step restricted to the bytes that continue a word of the language
+    (and the end once a word is complete); sampled siblings must each be a word of it."""
+    words = ("yes", "no", "maybe")
+
+    def allowed(reply: list[int]) -> set[int]:
+        text = bytes(t for t in reply if t < 256).decode()
+        ids = {w.encode()[len(text)] for w in words if w.startswith(text) and w != text}
+        return ids | ({256} if text in words else set())
+
+    ref = Reference(folder)
+    eng = start(folder, sizes, prefill_chunk=sizes.aux_chunk, prefill_target=0)
+    try:
+        regex = Constraint(kind="regex", spec="|".join(words))
+        for seed, length in ((80, 7), (81, 3 * sizes.block_size)):
+            prompt = prompt_of(length, 256, seed)
+            tokens, finals = collect(eng.submit(
+                prompt_tokens=prompt, session_id=f"regex-{seed}",
+                params=SamplingParams(temperature=0.0, max_tokens=8, constraint=regex)))
+            name = f"constrained greedy ({length}-token prompt)"
+            if ended_well(results, name, finals):
+                expected, gaps, _ = ref.decode(prompt, 8, allowed=allowed)
+                if expected[-1] == 256:  # a finished word: the engine ends the reply there
+                    expected = expected[:-1]
+                compare_greedy(results, name, tokens.get(0, []), expected, gaps)
+                results.check(f"{name} is a word of the language", finals[0].text in words,
+                              repr(finals[0].text))
+        _, finals = collect(eng.submit(
+            prompt_tokens=prompt_of(20, 256, 82), session_id="regex-sampled",
+            params=SamplingParams(temperature=1.0, n=4, seed=3, max_tokens=8,
+                                  constraint=regex)))
+        if ended_well(results, "constrained n=4 sampled", finals, n=4):
+            texts = [finals[i].text for i in range(4)]
+            results.check("constrained n=4 sampled: each a word of the language",
+                          all(t in words for t in texts), repr(texts))
+    finally:
+        eng.stop()
+
+
 def preemption(results: Results, folder: Path, ref: Reference, sizes: Sizes) -> None:
     bs = sizes.block_size
     replies = 4
@@ -416,10 +579,13 @@ def main(argv: list[str] | None = None) -> int:
                 prefix_cache(results, eng, ref, sizes)
                 forks(results, eng, ref, sizes)
                 stop_strings(results, eng, ref, sizes)
+                penalty_and_logprobs(results, eng, ref, sizes)
             finally:
                 eng.stop()
             cancel_mid_prefill(results, folder, sizes, mode)
         preemption(results, folder, ref, sizes)
+        constrained(results, write_model_folder(Path(tmp) / "check-bytes", sizes,
+                                                byte_level=True), sizes)
     elapsed = time.perf_counter() - t0
     total = len(results.passed) + len(results.failed)
     if args.json:

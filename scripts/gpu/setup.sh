@@ -9,7 +9,7 @@ if [ ! -f /root/site/.installed ]; then
   cat /root/stash/part_00 "$WHL/part_01" > /root/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
   (cd /root && sha256sum -c "$OLDPWD/$WHL/cuda.sha256")
   python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
-    "$WHL"/mlx-*.whl "$WHL"/mlx_lm-*.whl /root/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
+    "$WHL"/mlx-*.whl "$WHL"/mlx_lm-*.whl "$WHL"/llguidance-*.whl /root/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
   touch /root/site/.installed
 fi
 [ -e /root/site/nvidia ] || ln -s "$NV" /root/site/nvidia
