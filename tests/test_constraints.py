@@ -146,3 +146,24 @@ def test_the_bitmask_unpacks_on_the_device_as_llguidance_does_on_the_host():
     got = np.array(apply_bitmask(mx.array(logits), mx.array(rows, dtype=mx.int32),
                                  mx.array(masks)))
     np.testing.assert_array_equal(got, expected)
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_refused_with_a_clear_message(tmp_path):
+    """A word-level tokenizer (no byte-level or byte-fallback decoder): asking for a
+    constrained reply says the model cannot do it, every time, instead of llguidance's
+    internal error."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from engine.runner.constraints import grammars_for
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(
+        tokenizer_class="PreTrainedTokenizerFast", eos_token="w63", unk_token="w0")))
+    wrapper = load_tokenizer(tmp_path)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="tokenizer does not support constrained output"):
+            grammars_for(wrapper)

@@ -51,12 +51,20 @@ _BY_TOKENIZER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def grammars_for(tokenizer) -> Grammars:
     """The :class:`Grammars` of an mlx-lm tokenizer (built on first use: the llguidance
-    tokenizer takes a moment to build from the vocabulary)."""
+    tokenizer takes a moment to build from the vocabulary). A tokenizer llguidance cannot
+    read raises ValueError, the same one every time (remembered, not rebuilt)."""
     grammars = _BY_TOKENIZER.get(tokenizer)
     if grammars is None:
         vocab = max(tokenizer.vocab_size, len(tokenizer._tokenizer))
-        grammars = Grammars(tokenizer._tokenizer, vocab, sorted(tokenizer.eos_token_ids))
+        try:
+            grammars = Grammars(tokenizer._tokenizer, vocab, sorted(tokenizer.eos_token_ids))
+        except Exception as e:  # a tokenizer kind llguidance cannot read (e.g. word-level)
+            grammars = ValueError(
+                f"this model's tokenizer does not support constrained output "
+                f"(structured output, regex, grammars, tool calls): {e}")
         _BY_TOKENIZER[tokenizer] = grammars
+    if isinstance(grammars, ValueError):
+        raise ValueError(str(grammars))
     return grammars
 
 
