@@ -219,6 +219,30 @@ def test_the_model_titles_a_chat_after_its_first_reply(harness, qtbot):
 
 
 @pytest.mark.model
+def test_quitting_while_a_title_is_written_leaves_no_error(qtbot, qasync_loop, app_env,
+                                                           app_engine):
+    """The window shuts down while the model writes a title: the title's answer (its
+    cancelled final) arrives after the store is closed and must be ignored (CI caught
+    "Cannot operate on a closed database" raised in the event loop by the titler)."""
+    h = open_window(qtbot, app_env, app_engine)
+    w = h.window
+    pane = w.focused_pane
+    pane.session.set_settings(greedy(12))
+    type_and_send(qtbot, pane, "Name three rivers.")
+    wait_idle(qtbot, pane)
+    qtbot.waitUntil(lambda: bool(w.titler.running), timeout=WAIT_MS)  # asked the model
+    [title_request] = w.titler.running
+    finals: list[str] = []
+    h.bridge.finalReceived.connect(lambda _s, rid, _i, _e: finals.append(rid))
+    w.shutdown_chats()
+    w.close()
+    h.store.close()
+    qtbot.waitUntil(lambda: title_request in finals, timeout=WAIT_MS)  # delivered after
+    assert not w.titler.running
+    h.bridge.shutdown()
+
+
+@pytest.mark.model
 def test_a_rename_by_the_user_wins_over_the_generated_title(harness, qtbot):
     w = harness.window
     pane = w.focused_pane

@@ -35,12 +35,24 @@ class ChatTitler(QObject):
         self.bridge = bridge
         self.waiting: list[str] = []  # chats whose first reply is done, to be titled
         self.running: dict[str, str] = {}  # request id -> chat id
+        self._closed = False  # the window shut down: nothing is sent or renamed any more
         self._timer = QTimer(self)
         self._timer.setSingleShot(True)
         self._timer.setInterval(QUIET_MS)
         self._timer.timeout.connect(self._send)
         manager.busyChanged.connect(self._busy_changed)
         bridge.finalReceived.connect(self._final)
+
+    def close(self) -> None:
+        """The window is shutting down: send nothing more, cancel the titles under way and
+        ignore their answers (the store closes next; a final that arrived after it ended in
+        "Cannot operate on a closed database" in the event loop)."""
+        self._closed = True
+        self._timer.stop()
+        self.waiting.clear()
+        for chat_id in list(self.running.values()):
+            self.bridge.cancel_session(TITLE_SESSION_PREFIX + chat_id)
+        self.running.clear()
 
     @staticmethod
     def chat_of(session_id: str) -> str | None:
@@ -50,6 +62,8 @@ class ChatTitler(QObject):
         return None
 
     def _busy_changed(self, session_id: str, busy: bool) -> None:
+        if self._closed:
+            return
         if busy:
             self._timer.stop()  # a chat is answering: wait until it is quiet again
             return
@@ -69,6 +83,8 @@ class ChatTitler(QObject):
                 and not session.is_remote)
 
     def _send(self) -> None:
+        if self._closed:
+            return
         if self.manager.busy_sessions():
             return  # _busy_changed starts the timer again when they are done
         if self.bridge.status != EngineStatus.READY:
@@ -90,7 +106,7 @@ class ChatTitler(QObject):
 
     def _final(self, session_id: str, request_id: str, _index: int, event: Any) -> None:
         chat_id = self.running.pop(request_id, None)
-        if chat_id is None:
+        if chat_id is None or self._closed:
             return
         self.bridge.cancel_session(session_id)  # the engine forgets the title's session
         session = self.manager.sessions.get(chat_id)

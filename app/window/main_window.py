@@ -463,6 +463,7 @@ class MainWindow(QMainWindow):
         """Cancel every reply, keeping partial text marked interrupted; save the layout."""
         self.save_layout()
         self.server_panel.shutdown()
+        self.titler.close()  # a title answered after this would write to a closed store
         self.manager.interrupt_all()
         self.tools.close()
         self._closed = True
