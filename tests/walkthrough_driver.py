@@ -365,6 +365,7 @@ class Driver:
         await self.until("1500x900", lambda: (w.width(), w.height()) == (1500, 900), 20, size)
         await self.settled_geometries()
 
+        await self.mcp_tool_call()
         await self.theme_switches()
 
         state = {
@@ -573,6 +574,113 @@ class Driver:
 
         QTimer.singleShot(0, check)
         return seen
+
+    def drive_next_dialog(self, kind: type, name: str, steps: Any) -> list[str]:
+        """Once a modal ``kind`` shows, call ``steps(box, shot)`` every 50 ms until it returns
+        True (it has closed the box); ``shot()`` saves a screenshot of the dialog over the
+        window as step ``name``. Errors are returned in the list, prefixed with "error"."""
+        seen: list[str] = []
+
+        def shot(box: Any) -> None:
+            self.n += 1
+            path = self.shots / f"{self.n:02d}-{name}.png"
+            geo = box.frameGeometry().united(self.window.frameGeometry())
+            QApplication.primaryScreen().grabWindow(
+                0, geo.x(), geo.y(), geo.width(), geo.height()).save(str(path))
+            print(f"STEP OK: {name} -> {path}", flush=True)
+            seen.append(name)
+
+        def poll() -> None:
+            box = QApplication.activeModalWidget()
+            if isinstance(box, kind) and box.isVisible():
+                try:
+                    if steps(box, lambda: shot(box)):
+                        return
+                except Exception as exc:  # reported by the awaiting step
+                    seen.append(f"error {exc!r}")
+                    box.reject()
+                    return
+            QTimer.singleShot(50, poll)
+
+        QTimer.singleShot(0, poll)
+        return seen
+
+    async def mcp_tool_call(self) -> None:
+        """Issue 29 item 3 the way a user meets it: an MCP server (written with the official
+        SDK, over stdio) added in Settings ▸ Tools, a chat with tools on and "Call a tool
+        first", the pane's question, Allow once, the result in its block and the answer."""
+        import tempfile
+
+        from PySide6.QtWidgets import QDialogButtonBox
+
+        from app.chat.chat_settings_dialog import ChatSettingsDialog
+        from app.settings.dialog import SettingsDialog
+        from tests.mcp_servers import write_single_server
+
+        w = self.window
+        script = write_single_server(Path(tempfile.mkdtemp(prefix="walk-mcp-")), "ok")
+        state = {"added": False}
+
+        def add_server(box: Any, shot: Any) -> bool:
+            page = box.tools_page
+            if not state["added"]:
+                box.tabs.setCurrentWidget(page)
+                QTest.keyClicks(page.name_edit, "Weather")
+                QTest.keyClicks(page.command_edit, sys.executable)
+                QTest.keyClicks(page.args_edit, str(script))
+                QTest.mouseClick(page.add_button, Qt.MouseButton.LeftButton)
+                state["added"] = True
+                return False
+            if "1 tool(s)" not in page.tools_label.text():
+                return False  # the server is starting and listing its tools
+            shot()
+            QTest.mouseClick(box.buttons.button(QDialogButtonBox.StandardButton.Cancel),
+                             Qt.MouseButton.LeftButton)
+            return True
+
+        await self.activate()
+        seen = self.drive_next_dialog(SettingsDialog, "settings-tools-server-added", add_server)
+        await self.act(lambda: w.act_settings.trigger())
+        await self.until("Settings ▸ Tools to list the server's tool", lambda: seen
+                         and QApplication.activeModalWidget() is None, 90, lambda: seen)
+        if seen != ["settings-tools-server-added"]:
+            raise StepFailed(f"Settings ▸ Tools: {seen}")
+        if [s.name for s in w.tools.servers.servers()] != ["Weather"]:
+            raise StepFailed("the added server is not in the app's tools")
+
+        pane = w.focused_pane
+
+        def tools_on(box: Any, shot: Any) -> bool:
+            box.form.tools_check.setChecked(True)
+            box.form.tools_first.setChecked(True)
+            QTest.mouseClick(box.buttons.button(QDialogButtonBox.StandardButton.Ok),
+                             Qt.MouseButton.LeftButton)
+            return True
+
+        seen = self.drive_next_dialog(ChatSettingsDialog, "chat-settings-tools", tools_on)
+        await self.click(pane.settings_button)
+        await self.until("the chat settings to close", lambda: QApplication.activeModalWidget()
+                         is None, 30)
+        if not pane.session.settings.tools or pane.session.settings.tool_choice != "required":
+            raise StepFailed(f"chat settings did not turn tools on: {seen}")
+        await self.send(pane, "What is the weather in Lisbon?")
+        await self.until("the pane to ask about the call", lambda: pane.tool_bar.isVisible()
+                         or not pane.session.busy)
+        if not pane.tool_bar.isVisible():
+            raise StepFailed("the reply ended without a tool call: "
+                             f"{[(m.role, m.content[:40]) for m in pane.session.active_path()]}")
+        if "weather" not in pane.tool_label.text():
+            raise StepFailed(f"the question does not name the tool: {pane.tool_label.text()!r}")
+        await self.shot("tool-call-asked")
+        await self.click(pane.allow_once_button)
+        await self.idle(pane)
+        roles = [m.role for m in pane.session.active_path()[-4:]]
+        if roles != ["user", "assistant", "tool", "assistant"] or not self.reply(pane).content:
+            raise StepFailed(f"after Allow once the chat is {roles}")
+        result = pane.session.active_path()[-2]
+        if "sunny and 31 degrees" not in result.content:
+            raise StepFailed(f"the tool's result is {result.content!r}")
+        await self.shot("tool-call-answered")
 
     async def keyboard_only(self) -> None:
         """A session with the keyboard alone: every key goes to the focused widget."""
