@@ -102,6 +102,8 @@ def test_a_chat_calls_an_mcp_tool_added_in_settings(harness, qtbot, tmp_path):
     call = tool_messages(pane)[0].meta["tool_call"]
     assert call["name"] == "weather" and isinstance(json.loads(call["arguments"])["city"], str)
     assert pane.session.busy  # waiting for the answer: nothing else is sent meanwhile
+    asking = tool_messages(pane)[0]
+    assert pane.model.waiting_text(asking) == "Waiting for your answer: call weather?"
 
     qtbot.mouseClick(pane.allow_once_button, Qt.MouseButton.LeftButton)
     wait_idle(qtbot, pane)

@@ -671,6 +671,9 @@ class Driver:
                              f"{[(m.role, m.content[:40]) for m in pane.session.active_path()]}")
         if "weather" not in pane.tool_label.text():
             raise StepFailed(f"the question does not name the tool: {pane.tool_label.text()!r}")
+        shown = pane.model.waiting_text(pane.session.active_path()[-1])
+        if not shown.startswith("Waiting for your answer: call weather"):
+            raise StepFailed(f"while asking, the tool's row says {shown!r}")
         await self.shot("tool-call-asked")
         await self.click(pane.allow_once_button)
         await self.idle(pane)

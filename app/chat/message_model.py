@@ -147,6 +147,12 @@ class ChatMessageModel(QAbstractListModel):
         if msg.status == Status.PENDING and p is not None and p[1] > 0:
             text = f"Reading your message… {p[0]:,} / {p[1]:,} tokens"
             return f"{text}, {self._time_left}" if self._time_left else text
+        if msg.role == "tool":  # a tool call: asking the user, or the server at work
+            state = msg.meta.get("state")
+            if state == "asking":
+                return f"Waiting for your answer: call {msg.meta.get('tool', 'the tool')}?"
+            if state == "running":
+                return f"Running {msg.meta.get('tool', 'the tool')}…"
         return "Thinking…"
 
     def message_ids(self) -> list[str]:
