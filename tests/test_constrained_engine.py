@@ -123,3 +123,32 @@ def test_a_bad_grammar_is_refused_at_submit_and_the_engine_goes_on(engine):
     tokens, _ = collect(engine.submit(prompt_tokens=prompt,
                                       params=SamplingParams(temperature=0.0, max_tokens=12)))
     assert tokens[0] == greedy_reference(prompt, 12)
+
+
+def test_preempted_constrained_replies_resume_in_their_grammar():
+    """A pool too small for four JSON replies at once: the latest admitted are preempted
+    (blocks freed, tokens kept, recomputed later) and their matchers must stay where the
+    reply is; each reply still equals mlx-lm's greedy under the same grammar."""
+    constraint = Constraint("json_schema", CAT)
+    asks = [f"Describe cat number {i} as JSON: its name, age, colour and toys." for i in
+            range(4)]
+    prompts = [chat_prompt([{"role": "user", "content": a}]) for a in asks]
+    expected = [constrained_reference(p, constraint, 120) for p in prompts]
+    # 720 KiB per 16-token block (test_engine's arithmetic): 10 blocks, while the four
+    # replies (47-token prompts, about 22-token replies) need 20 at their longest.
+    small = Engine(EngineConfig(kv_memory_mib=10 * 0.703125, block_size=16, max_batch=8))
+    small.start()
+    try:
+        assert small.wait_ready(600), small.load_error
+        handles = [small.submit(prompt_tokens=p, session_id=f"cat-{i}", params=SamplingParams(
+            temperature=0.0, max_tokens=120, constraint=constraint))
+            for i, p in enumerate(prompts)]
+        results = [collect(h) for h in handles]
+        preemptions = small.snapshot().counters.preemptions
+    finally:
+        small.stop()
+    assert preemptions > 0
+    for i, (tokens, finals) in enumerate(results):
+        assert finals[0].finish_reason is FinishReason.STOP, finals[0].error
+        assert tokens[0] == expected[i], f"reply {i} changed after preemption"
+        jsonschema.validate(json.loads(_text(tokens[0])), CAT)
