@@ -134,6 +134,23 @@ class SettingsDialog(CheckedDialog):
             self.block_combo.addItem(f"{bs} tokens", bs)
         self.block_combo.setCurrentIndex(max(0, self.block_combo.findData(s.block_size)))
         f.addRow("&Block size:", self.block_combo)
+        self.precision_combo = QComboBox()
+        self.precision_combo.setAccessibleName("KV precision")
+        for label, value in (("Automatic", "auto"), ("16-bit (the model's own)", "model"),
+                             ("8-bit", "int8")):
+            self.precision_combo.addItem(label, value)
+        self.precision_combo.setCurrentIndex(
+            max(0, self.precision_combo.findData(s.kv_precision)))
+        f.addRow("KV &precision:", self.precision_combo)
+        precision_hint = QLabel(
+            "8-bit stores K and V in about half the bytes of 16-bit (a quarter of 32-bit), so "
+            "the same budget holds about twice the tokens; Automatic uses it when the budget "
+            "cannot hold every chat's full context.")
+        precision_hint.setObjectName("hint")
+        precision_hint.setWordWrap(True)
+        precision_hint.setAccessibleName("What each KV precision buys")
+        self.precision_hint = precision_hint
+        f.addRow(precision_hint)
         hint = QLabel("Changing the model or the pool restarts the engine; open chats stay.")
         hint.setObjectName("hint")
         hint.setWordWrap(True)
@@ -199,6 +216,7 @@ class SettingsDialog(CheckedDialog):
             model_repo=self.repo_edit.text().strip(),
             kv_memory_mib=float(self.kv_spin.value()),
             block_size=int(self.block_combo.currentData()),
+            kv_precision=str(self.precision_combo.currentData()),
             theme=str(self.theme_combo.currentData()),
             default_system_prompt=self.system_prompt.toPlainText(),
             default_sampling=self._chosen_sampling(),
