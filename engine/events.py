@@ -239,6 +239,9 @@ class ModelInfo:
     #: What a block would take at the model's own K/V dtype (= ``bytes_per_block`` unless
     #: the pool is 8-bit, ``kv_dtype`` "int8"; issue #26).
     full_bytes_per_block: int = 0
+    #: What a block takes in an 8-bit pool (whichever the pool is): with
+    #: ``full_bytes_per_block``, what the app's KV precision choice buys.
+    int8_bytes_per_block: int = 0
     #: False: the architecture failed the paged check and runs on mlx-lm's BatchGenerator
     #: (continuous batching without paging); ``not_paged_reason`` says why.
     paged: bool = True

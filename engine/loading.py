@@ -117,6 +117,7 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry) -> Runtime:
         path=str(loaded.path),
         kv_dtype=kv_dtype_name(shape),
         full_bytes_per_block=full_bytes_per_block,
+        int8_bytes_per_block=replace(shape, quantized=True).bytes_per_token() * cfg.block_size,
     )
     return Runtime(loaded, pool, alloc, scheduler, paged_model, output, stepper, max_context,
                    info)

@@ -145,3 +145,24 @@ def test_the_user_chooses_the_kv_precision_in_settings(qtbot):
     assert chosen.engine_key() != AppSettings().engine_key()  # the engine restarts
     assert AppSettings.from_dict(chosen.to_dict()).kv_precision == "int8"
     assert AppSettings.from_dict({"kv_precision": "4-bit"}).kv_precision == "auto"
+
+
+def test_the_precision_hint_says_what_8_bit_buys_for_the_loaded_model(qtbot):
+    """From the engine's own figures for the loaded model (bytes per block at each
+    precision), at the budget being typed."""
+    from app.settings.dialog import SettingsDialog
+    from engine.events import ModelInfo
+
+    info = ModelInfo(name="SmolLM2-135M-Instruct", model_type="llama", max_context=8192,
+                     block_size=16, num_blocks=364, bytes_per_block=737280,
+                     attention="reference", kv_dtype="float32", full_bytes_per_block=737280,
+                     int8_bytes_per_block=190080)
+    dialog = SettingsDialog(AppSettings(), model_info=info)
+    qtbot.addWidget(dialog)
+    dialog.show()
+    dialog.kv_spin.setValue(512)
+    t16 = (512 * 2**20 // 737280) * 16
+    t8 = (512 * 2**20 // 190080) * 16
+    text = dialog.precision_hint.text()
+    assert f"{t16:,} tokens at the model's own precision, {t8:,} at 8-bit" in text
+    assert f"about {(t8 - t16) // 16:,} more tokens per chat with 16 chats" in text
