@@ -6,6 +6,7 @@ The public API (docs/ARCHITECTURE.md §3.9); other code uses only these names. N
 from engine.config import (
     BLOCK_SIZES,
     DEFAULT_REPETITION_CONTEXT,
+    KV_PRECISIONS,
     REPO_ID_PATTERN,
     Constraint,
     EngineConfig,
@@ -39,6 +40,7 @@ from engine.runner.architecture import PROVEN_ARCHITECTURES
 
 __all__ = [
     "BLOCK_SIZES",
+    "KV_PRECISIONS",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_REPETITION_CONTEXT",
     "PROVEN_ARCHITECTURES",

@@ -23,6 +23,13 @@ REPO_ID_PATTERN = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 MIB = 2**20
 
+#: How the KV pool stores K and V (``EngineConfig.kv_precision``): "model" keeps the model's
+#: own K/V dtype (bf16/fp16 for 16-bit weights, fp32 for the embedded model on the CPU);
+#: "int8" stores int8 with one fp16 scale per token and KV head (engine/kv/int8.py); "auto"
+#: picks int8 when the budget cannot hold ``max_batch`` chats of the model's full context at
+#: the model's own precision (engine/loading.py ``kv_quantized``), else "model".
+KV_PRECISIONS = ("auto", "model", "int8")
+
 
 def looks_like_repo_id(spec: str) -> bool:
     """True for "owner/name" (what the Hub accepts); anything else is meant as a path."""
@@ -61,6 +68,11 @@ class EngineConfig:
         overlapped vs 57 synchronous), so only GPUs overlap.
     max_context: per-sequence limit; None means the model's own limit.
     quantized: keep quantized weights (None = decide by backend: yes on Metal, no on CPU).
+    kv_precision: how the pool stores K/V (``KV_PRECISIONS``): "model" (the model's own
+        dtype), "int8" (8-bit with per-token scales: about half the bytes of a 16-bit pool,
+        a quarter of fp32's), or "auto" (int8 when the budget is short of ``max_batch`` full
+        contexts at the model's own precision). The engine's default is "model" (its greedy
+        replies equal mlx-lm's); the app passes the user's choice, "auto" unless changed.
     """
 
     model: str = "default"
@@ -73,6 +85,7 @@ class EngineConfig:
     max_context: int | None = None
     quantized: bool | None = None
     attention: str = "auto"  # "auto", "reference" or "kernel"
+    kv_precision: str = "model"  # "auto", "model" or "int8" (KV_PRECISIONS)
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:
@@ -92,6 +105,11 @@ class EngineConfig:
             raise ValueError("max_context must be at least 2 tokens")
         if self.attention not in ("auto", "reference", "kernel"):
             raise ValueError(f"attention must be auto, reference or kernel, got {self.attention!r}")
+        if self.kv_precision not in KV_PRECISIONS:
+            raise ValueError(
+                "kv_precision must be 'auto', 'model' (the model's own K/V dtype) or 'int8' "
+                f"(8-bit K/V), got {self.kv_precision!r}"
+            )
         if not self.model:
             raise ValueError("model must name 'default', a folder or a Hugging Face repo id")
 

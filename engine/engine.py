@@ -288,6 +288,7 @@ class Engine:
         self.telemetry.maybe_snapshot(
             rt.alloc, rt.scheduler, rt.output.requests.values(), info.bytes_per_block,
             info.name, force=force, paged=info.paged, kv_dtype=info.kv_dtype,
+            full_bytes_per_block=info.full_bytes_per_block,
         )
 
     def _drain_inbox(self, block: bool) -> bool:

@@ -176,7 +176,17 @@ class PoolSnapshot:
     #: False when the model runs on mlx-lm's own cache (engine/runner/fallback.py): there is no
     #: block pool then (num_blocks 0), only the sessions and counters are meaningful.
     paged: bool = True
-    kv_dtype: str = ""  # the pool's element type ("bfloat16", ...), which sizes a block
+    kv_dtype: str = ""  # the pool's element type ("bfloat16", "int8", ...), which sizes a block
+    #: What a block would take at the model's own K/V dtype: more than ``bytes_per_block``
+    #: in an 8-bit pool (the difference, per used block, is the memory 8-bit saves); 0 when
+    #: not known.
+    full_bytes_per_block: int = 0
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes the used blocks would take more at the model's own precision (8-bit pool)."""
+        extra = max(0, self.full_bytes_per_block - self.bytes_per_block)
+        return self.used_blocks * extra
 
     def __post_init__(self) -> None:
         if not isinstance(self.sessions, MappingProxyType):
@@ -226,6 +236,12 @@ class ModelInfo:
     #: The K/V element type: the model's own (bf16 weights give a bf16 pool), so the MiB
     #: per block follow the weights, not the compute dtype chosen for the default model.
     kv_dtype: str = "float32"
+    #: What a block would take at the model's own K/V dtype (= ``bytes_per_block`` unless
+    #: the pool is 8-bit, ``kv_dtype`` "int8"; issue #26).
+    full_bytes_per_block: int = 0
+    #: What a block takes in an 8-bit pool (whichever the pool is): with
+    #: ``full_bytes_per_block``, what the app's KV precision choice buys.
+    int8_bytes_per_block: int = 0
     #: False: the architecture failed the paged check and runs on mlx-lm's BatchGenerator
     #: (continuous batching without paging); ``not_paged_reason`` says why.
     paged: bool = True

@@ -10,7 +10,7 @@ free of wiring, and makes a restart a matter of dropping one reference.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,7 +20,7 @@ from engine.config import EngineConfig, blocks_for_budget, overlap_steps
 from engine.errors import ModelLoadError, NotPaged
 from engine.events import ModelInfo
 from engine.kv.blocks import BlockAllocator
-from engine.kv.pool import KVPool
+from engine.kv.pool import KVPool, KVShape
 from engine.memory import check_fits
 from engine.models.folder import LoadedModel, dtype_name
 from engine.models.resolve import load_model
@@ -61,6 +61,18 @@ def weights_nbytes(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+def kv_quantized(precision: str, shape: KVShape, budget_mib: float, max_batch: int,
+                 max_context: int) -> bool:
+    """Whether the pool stores K/V as int8 (``EngineConfig.kv_precision``). "auto" quantizes
+    when the budget, at the model's own precision, cannot hold ``max_batch`` chats of
+    ``max_context`` tokens: then 8-bit blocks are chats the user would otherwise not fit
+    (quality measured in bench/results/kv8.md); when everything fits, the model's own."""
+    if precision != "auto":
+        return precision == "int8"
+    full = replace(shape, quantized=False)
+    return full.bytes_per_token() * max_batch * max_context > budget_mib * 2**20
+
+
 def load_runtime(cfg: EngineConfig, telemetry: Telemetry) -> Runtime:
     """Load ``cfg.model`` and build the pool and everything bound to it.
 
@@ -74,6 +86,9 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry) -> Runtime:
         verify_architecture(loaded, shape, cfg.block_size)
     except NotPaged as reason:  # mlx-lm's own batching serves it, unpaged
         return _fallback_runtime(cfg, telemetry, loaded, max_context, str(reason))
+    full_bytes_per_block = shape.bytes_per_token() * cfg.block_size  # at the model's own dtype
+    if kv_quantized(cfg.kv_precision, shape, cfg.kv_memory_mib, cfg.max_batch, max_context):
+        shape = replace(shape, quantized=True)
     num_blocks = blocks_for_budget(shape.bytes_per_token(), cfg.block_size, cfg.kv_memory_mib)
     try:
         check_fits(num_blocks * shape.bytes_per_token() * cfg.block_size,
@@ -100,10 +115,17 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry) -> Runtime:
         bytes_per_block=pool.bytes_per_block,
         attention=(attention.kernel_path() or "reference") if use_kernel else "reference",
         path=str(loaded.path),
-        kv_dtype=dtype_name(shape.dtype),
+        kv_dtype=kv_dtype_name(shape),
+        full_bytes_per_block=full_bytes_per_block,
+        int8_bytes_per_block=replace(shape, quantized=True).bytes_per_token() * cfg.block_size,
     )
     return Runtime(loaded, pool, alloc, scheduler, paged_model, output, stepper, max_context,
                    info)
+
+
+def kv_dtype_name(shape: KVShape) -> str:
+    """What the pool stores: "int8" for an 8-bit pool, else the model's K/V dtype."""
+    return "int8" if shape.quantized else dtype_name(shape.dtype)
 
 
 def _fallback_runtime(cfg: EngineConfig, telemetry: Telemetry, loaded: LoadedModel,

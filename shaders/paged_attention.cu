@@ -20,6 +20,12 @@
 // R rows.
 //
 // Pool layout: k_pool, v_pool [num_blocks, BS, num_kv_heads, D], head_dim contiguous.
+//
+// 8-bit pools (issue #26): engine/attention/plans.py builds paged_attention_q8 from the same
+// body with "#define PC_KV8 1" in front: k_pool / v_pool are int8 and two more inputs,
+// k_scales / v_scales [num_blocks, BS, num_kv_heads] __half, hold one scale per (slot, KV
+// head); a K or V element is q * s (symmetric, no zero point: engine/kv/int8.py), dequantized
+// in registers as it is loaded (8 bytes per lane instead of 16).
 
 // ==== header ====
 #ifndef CUDA_EMU  // MLX's default header includes them already; the emulator defines the types
@@ -61,6 +67,16 @@ __device__ __forceinline__ void pc_load_vec(const T* p, float (&o)[PC_VEC]) {
   }
 }
 
+// VEC int8 values of an 8-bit pool's row in one 8-byte load, as fp32 (unscaled).
+__device__ __forceinline__ void pc_load_vec(const int8_t* p, float (&o)[PC_VEC]) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  int8_t h[PC_VEC];
+  memcpy(h, &raw, sizeof(raw));
+  for (int i = 0; i < PC_VEC; ++i) {
+    o[i] = float(h[i]);
+  }
+}
+
 // ==== kernel: paged_attention ====
 //   inputs:  q [B, H, L, D] T; k_pool, v_pool [NB, BS, KVH, D] T; block_tables int32 [B, MB];
 //            context_lens int32 [B] (tokens the LAST query token of each row attends to, its own
@@ -71,11 +87,18 @@ __device__ __forceinline__ void pc_load_vec(const T* p, float (&o)[PC_VEC]) {
 //   template: T, O, D (head dim), BS (block size), G (query heads per KV head), QT (query tokens
 //             per thread block), NW (warps per block), PART (tokens per partition; 0 = all)
 //   grid (32 * NW * P, KVH, B * ceil(L / QT)) threads, block (32 * NW, 1, 1)
+//   paged_attention_q8 (PC_KV8): k_pool, v_pool int8; k_scales, v_scales [NB, BS, KVH] __half
+//   after v_pool.
 // Work split: a warp is TPW lane groups of TPT lanes; a group takes one token of the block at a
 // time, its lane `sub` holds head-dim elements [sub * VEC, sub * VEC + VEC) (16-byte loads, a
 // row read by the group in one coalesced access), q.k is a log2(TPT)-step xor reduction inside
 // the group. Each group keeps its own fp32 online softmax (max, sum, output) per row over the
 // tokens it saw; the groups of a warp are merged with shuffles, the warps through shared memory.
+#if PC_KV8
+using KV = int8_t;  // an 8-bit pool: the element is q * (its slot's, its KV head's) scale
+#else
+using KV = T;
+#endif
 constexpr int WARP = 32;
 constexpr unsigned FULL = 0xffffffffu;
 constexpr int VEC = PC_VEC;  // head-dim elements per lane
@@ -154,8 +177,8 @@ for (int r = 0; r < R; ++r) {
 
 const size_t tok_stride = size_t(KVH) * D;  // elements between two slots of a block
 const size_t blk_stride = size_t(BS) * tok_stride;
-const T* k_head = k_pool + size_t(kvh) * D + sub * VEC;
-const T* v_head = v_pool + size_t(kvh) * D + sub * VEC;
+const KV* k_head = k_pool + size_t(kvh) * D + sub * VEC;
+const KV* v_head = v_pool + size_t(kvh) * D + sub * VEC;
 const int* table = block_tables + size_t(b) * MB;
 
 for (int base = blk_begin + warp; base < blk_end; base += WARP * NW) {
@@ -169,8 +192,8 @@ for (int base = blk_begin + warp; base < blk_end; base += WARP * NW) {
     const int phys = __shfl_sync(FULL, my_entry, j);
     const int tok0 = blk * BS;
     const int ntok = min(BS, tok_end - tok0);
-    const T* kb = k_head + size_t(phys) * blk_stride;
-    const T* vb = v_head + size_t(phys) * blk_stride;
+    const KV* kb = k_head + size_t(phys) * blk_stride;
+    const KV* vb = v_head + size_t(phys) * blk_stride;
 #pragma unroll
     for (int t0 = 0; t0 < BS; t0 += TPW) {
       const int t = t0 + grp;  // this group's token of the block
@@ -180,6 +203,15 @@ for (int base = blk_begin + warp; base < blk_end; base += WARP * NW) {
       if (live) {
         pc_load_vec(kb + t * tok_stride, kr);
         pc_load_vec(vb + t * tok_stride, vr);
+#if PC_KV8
+        const size_t slot = (size_t(phys) * BS + t) * KVH + kvh;  // this token's scales
+        const float ks = pc_f32(k_scales[slot]);
+        const float vs = pc_f32(v_scales[slot]);
+        for (int i = 0; i < VEC; ++i) {
+          kr[i] *= ks;
+          vr[i] *= vs;
+        }
+#endif
       } else {
         for (int i = 0; i < VEC; ++i) {
           kr[i] = 0.0f;

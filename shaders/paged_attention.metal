@@ -5,6 +5,11 @@
 // emulation harness in tests/kernel_emulation/ (see shaders/README.md).
 //
 // Pool layout: k_pool, v_pool [num_blocks, BS, num_kv_heads, D], head_dim contiguous.
+// 8-bit pools (issue #26): engine/attention/plans.py builds paged_decode_q8 from the same body
+// with "#define PC_KV8 1" in front: k_pool / v_pool are int8_t and two more inputs, k_scales /
+// v_scales [num_blocks, BS, num_kv_heads] half, hold one scale per (slot, KV head); an element
+// is q * s (symmetric, no zero point: engine/kv/int8.py). The K scale multiplies the score
+// after the simd_sum, the V scale each V element as it is read.
 // Pointers derived from kernel arguments are declared `auto`: small inputs (fewer than 8
 // elements) arrive in the `constant` address space, larger ones in `device`.
 
@@ -16,6 +21,8 @@
 //            stats [B, H, P, 2] float: (max score, softmax denominator) per row
 //   template: T, O, D (head dim), BS (block size), G (query heads per KV head),
 //             NSG (simdgroups per threadgroup), PART (tokens per partition; 0 = whole sequence)
+//   paged_decode_q8 (PC_KV8): k_pool, v_pool int8_t; k_scales, v_scales [NB, BS, KVH] half
+//   after v_pool.
 //   grid (32 * NSG * P, KVH, B), threadgroup (32 * NSG, 1, 1): one threadgroup per
 //   (sequence, KV head, partition) serves all G query heads of that KV head, so every K/V byte
 //   is read once. Lanes split head_dim (lane holds the contiguous elements lane * EPL + i, so
@@ -105,12 +112,18 @@ for (int base = blk_begin + sg; base < blk_end; base += SIMD * NSG) {
         for (int i = 0; i < EPL; ++i) {
           kr[i] = (FULL_LANES || lane * EPL + i < D) ? float(kb[t * tok_stride + i]) : 0.0f;
         }
+#if PC_KV8
+        const float ks = float(k_scales[(size_t(phys) * BS + t) * KVH + kvh]);  // token t's
+#endif
         for (int g = 0; g < G; ++g) {
           float qk = 0.0f;
           for (int i = 0; i < EPL; ++i) {
             qk += qv[g][i] * kr[i];
           }
           qk = simd_sum(qk);
+#if PC_KV8
+          qk *= ks;
+#endif
           s[g] = lane == t ? qk : s[g];
         }
       }
@@ -135,6 +148,12 @@ for (int base = blk_begin + sg; base < blk_end; base += SIMD * NSG) {
         for (int i = 0; i < EPL; ++i) {
           vr[i] = (FULL_LANES || lane * EPL + i < D) ? float(vb[t * tok_stride + i]) : 0.0f;
         }
+#if PC_KV8
+        const float vs = float(v_scales[(size_t(phys) * BS + t) * KVH + kvh]);
+        for (int i = 0; i < EPL; ++i) {
+          vr[i] *= vs;
+        }
+#endif
         for (int g = 0; g < G; ++g) {
           const float pt = simd_shuffle(s[g], ushort(t));
           for (int i = 0; i < EPL; ++i) {

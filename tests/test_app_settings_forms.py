@@ -73,7 +73,8 @@ def test_app_settings_load_what_the_previous_version_stored():
 def test_pool_settings_are_judged_by_the_engine_config():
     good = AppSettings(block_size=8)
     assert good.validate() is None
-    assert good.engine_config() == EngineConfig(model="default", kv_memory_mib=256.0, block_size=8)
+    assert good.engine_config() == EngineConfig(model="default", kv_memory_mib=256.0, block_size=8,
+                                                kv_precision="auto")
     bad = AppSettings(block_size=12)
     with pytest.raises(ValueError) as refused:
         EngineConfig(block_size=12)
@@ -117,3 +118,51 @@ def test_chat_settings_dialog_takes_what_the_user_types(qtbot):
             max_tokens=64, seed=None,
         ),
     )
+
+
+def test_the_user_chooses_the_kv_precision_in_settings(qtbot):
+    """Settings > KV cache pool: Automatic / 16-bit / 8-bit (issue #26), kept, handed to the
+    engine, and a restart when it changes; a stored value the engine does not know falls back
+    to Automatic."""
+    from PySide6.QtCore import Qt
+
+    from app.settings.dialog import SettingsDialog
+
+    assert AppSettings().kv_precision == "auto"
+    dialog = SettingsDialog(AppSettings())
+    qtbot.addWidget(dialog)
+    dialog.show()
+    combo = dialog.precision_combo
+    assert [combo.itemText(i) for i in range(combo.count())] == [
+        "Automatic", "16-bit (the model's own)", "8-bit"]
+    assert combo.currentData() == "auto"
+    assert "twice the tokens" in dialog.precision_hint.text()
+    combo.setFocus()
+    qtbot.keyClick(combo, Qt.Key.Key_End)  # the last choice, as a keyboard user picks it
+    chosen = dialog.value()
+    assert chosen.kv_precision == "int8"
+    assert chosen.engine_config().kv_precision == "int8"
+    assert chosen.engine_key() != AppSettings().engine_key()  # the engine restarts
+    assert AppSettings.from_dict(chosen.to_dict()).kv_precision == "int8"
+    assert AppSettings.from_dict({"kv_precision": "4-bit"}).kv_precision == "auto"
+
+
+def test_the_precision_hint_says_what_8_bit_buys_for_the_loaded_model(qtbot):
+    """From the engine's own figures for the loaded model (bytes per block at each
+    precision), at the budget being typed."""
+    from app.settings.dialog import SettingsDialog
+    from engine.events import ModelInfo
+
+    info = ModelInfo(name="SmolLM2-135M-Instruct", model_type="llama", max_context=8192,
+                     block_size=16, num_blocks=364, bytes_per_block=737280,
+                     attention="reference", kv_dtype="float32", full_bytes_per_block=737280,
+                     int8_bytes_per_block=190080)
+    dialog = SettingsDialog(AppSettings(), model_info=info)
+    qtbot.addWidget(dialog)
+    dialog.show()
+    dialog.kv_spin.setValue(512)
+    t16 = (512 * 2**20 // 737280) * 16
+    t8 = (512 * 2**20 // 190080) * 16
+    text = dialog.precision_hint.text()
+    assert f"{t16:,} tokens at the model's own precision, {t8:,} at 8-bit" in text
+    assert f"about {(t8 - t16) // 16:,} more tokens per chat with 16 chats" in text

@@ -196,7 +196,9 @@ def test_one_name_for_the_model_everywhere(harness, qtbot):
     assert name in names
     built_in = table.models[names.index(name)]
     held = harness.bridge.model_info.name[len(name):].strip(" ()")  # "fp32" or "4-bit"
-    assert built_in.quantization.endswith(f"runs as {held}")
+    kv = harness.bridge.model_info.kv_dtype  # the KV precision it runs with (issue #26)
+    kv = "8-bit (int8)" if kv == "int8" else kv
+    assert built_in.quantization.endswith(f"runs as {held}, K/V {kv}")
     assert f"weights: {held}" in w.model_button.toolTip()
     w.models_window.close()
 

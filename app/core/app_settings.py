@@ -13,7 +13,13 @@ from typing import Any
 
 from app.core.records import ChatSettings
 from app.core.serial import from_json, to_json
-from engine import BLOCK_SIZES, EngineConfig, SamplingParams, looks_like_repo_id
+from engine import (
+    BLOCK_SIZES,
+    KV_PRECISIONS,
+    EngineConfig,
+    SamplingParams,
+    looks_like_repo_id,
+)
 
 SETTINGS_KEY = "app_settings"
 MODEL_KINDS = ("default", "folder", "hf")
@@ -27,6 +33,8 @@ class AppSettings:
     model_repo: str = ""
     kv_memory_mib: float = 256.0
     block_size: int = 16
+    #: KV precision (EngineConfig.kv_precision): "auto", "model" (16-bit on a Mac) or "int8".
+    kv_precision: str = "auto"
     theme: str = "system"  # "system" | "light" | "dark"
     default_system_prompt: str = ""
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -95,6 +103,7 @@ class AppSettings:
             model=self.model_spec(),
             kv_memory_mib=float(self.kv_memory_mib),
             block_size=int(self.block_size),
+            kv_precision=self.kv_precision,
             **overrides,
         )
 
@@ -102,9 +111,10 @@ class AppSettings:
         """The settings a new chat starts with."""
         return ChatSettings(self.default_system_prompt, self.default_sampling)
 
-    def engine_key(self) -> tuple[str, float, int]:
+    def engine_key(self) -> tuple[str, float, int, str]:
         """What needs an engine restart when it changes."""
-        return (self.model_spec(), float(self.kv_memory_mib), int(self.block_size))
+        return (self.model_spec(), float(self.kv_memory_mib), int(self.block_size),
+                self.kv_precision)
 
     # ---- (de)serialisation ---------------------------------------------------------------
 
@@ -118,6 +128,8 @@ class AppSettings:
             out.model_kind = "default"
         if out.theme not in THEMES:
             out.theme = "system"
+        if out.kv_precision not in KV_PRECISIONS:
+            out.kv_precision = "auto"
         if out.block_size not in BLOCK_SIZES:
             out.block_size = AppSettings.block_size
         return out

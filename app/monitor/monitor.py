@@ -339,12 +339,19 @@ class MonitorPanel(QWidget):
             f"{snap.num_blocks:,} × {snap.block_size} tok · "
             f"{fmt_mib(snap.bytes_per_block * snap.num_blocks / MIB)}"
         )
+        full = getattr(snap, "full_bytes_per_block", 0)
+        eight_bit = full > snap.bytes_per_block  # an 8-bit pool (issue #26)
+        if eight_bit:
+            text += f" · 8-bit, {fmt_mib(snap.saved_bytes / MIB)} saved"
         if text != self.summary.text():
             self.summary.setText(text)
             self.summary.setToolTip(
                 f"{snap.num_blocks:,} blocks of {snap.block_size} token slots; "
                 f"{snap.bytes_per_block / 1024:,.0f} KiB per block (K and V, every layer"
                 + (f", {snap.kv_dtype}" if getattr(snap, "kv_dtype", "") else "") + ")"
+                + (f"\n8-bit K/V: {full / 1024:,.0f} KiB per block at the model's own "
+                   f"precision; the used blocks save {fmt_mib(snap.saved_bytes / MIB)}"
+                   if eight_bit else "")
                 + (f"\nmodel: {snap.model_name}" if snap.model_name else "")
             )
 

@@ -33,15 +33,17 @@ from app.core.records import ChatSettings
 from app.settings.forms import ChatSettingsForm, CheckedDialog
 from app.settings.providers_page import ProvidersPage
 from app.settings.tools_page import ToolsPage
-from engine import BLOCK_SIZES, SamplingParams
+from engine import BLOCK_SIZES, EngineConfig, SamplingParams, blocks_for_budget
 
 
 class SettingsDialog(CheckedDialog):
     def __init__(self, settings: AppSettings, parent: QWidget | None = None,
                  registry: Any = None, tools: Any = None,
-                 new_chat_defaults: tuple[SamplingParams, str] | None = None) -> None:
+                 new_chat_defaults: tuple[SamplingParams, str] | None = None,
+                 model_info: Any = None) -> None:
         super().__init__("Settings", "Settings", 520, parent)
         self._initial = settings
+        self._model_info = model_info  # the loaded model's (sizes the KV precision hint)
         # what new chats really start with, and from where (SettingsFlow.new_chat_sampling):
         # shown while the user never set their own, so both dialogs tell one story
         self._follows_model = settings.default_sampling == SamplingParams()
@@ -134,6 +136,26 @@ class SettingsDialog(CheckedDialog):
             self.block_combo.addItem(f"{bs} tokens", bs)
         self.block_combo.setCurrentIndex(max(0, self.block_combo.findData(s.block_size)))
         f.addRow("&Block size:", self.block_combo)
+        self.precision_combo = QComboBox()
+        self.precision_combo.setAccessibleName("KV precision")
+        for label, value in (("Automatic", "auto"), ("16-bit (the model's own)", "model"),
+                             ("8-bit", "int8")):
+            self.precision_combo.addItem(label, value)
+        self.precision_combo.setCurrentIndex(
+            max(0, self.precision_combo.findData(s.kv_precision)))
+        f.addRow("KV &precision:", self.precision_combo)
+        precision_hint = QLabel(
+            "8-bit stores K and V in about half the bytes of 16-bit (a quarter of 32-bit), so "
+            "the same budget holds about twice the tokens; Automatic uses it when the budget "
+            "cannot hold every chat's full context.")
+        precision_hint.setObjectName("hint")
+        precision_hint.setWordWrap(True)
+        precision_hint.setAccessibleName("What each KV precision buys")
+        self.precision_hint = precision_hint
+        f.addRow(precision_hint)
+        self.kv_spin.valueChanged.connect(self._update_precision_hint)
+        self.block_combo.currentIndexChanged.connect(self._update_precision_hint)
+        self._update_precision_hint()
         hint = QLabel("Changing the model or the pool restarts the engine; open chats stay.")
         hint.setObjectName("hint")
         hint.setWordWrap(True)
@@ -177,6 +199,30 @@ class SettingsDialog(CheckedDialog):
 
     # ---- behaviour -----------------------------------------------------------------------
 
+    def _update_precision_hint(self, *_args: object) -> None:
+        """What 8-bit buys for the loaded model at this budget, by the engine's own arithmetic
+        (``blocks_for_budget`` at each precision's bytes per block, shared by the chats the
+        engine decodes at once); the general rule when no paged model is loaded."""
+        info = self._model_info
+        full = getattr(info, "full_bytes_per_block", 0) or getattr(info, "bytes_per_block", 0)
+        if info is None or not getattr(info, "paged", False) or not full:
+            return
+        eight = getattr(info, "int8_bytes_per_block", 0)
+        if not eight:
+            return
+        size = max(1, int(getattr(info, "block_size", 16)))
+        slots = int(self.block_combo.currentData())
+        budget = float(self.kv_spin.value())
+        per_token_16, per_token_8 = full // size, eight // size
+        chats = EngineConfig().max_batch
+        t16 = blocks_for_budget(per_token_16, slots, budget) * slots
+        t8 = blocks_for_budget(per_token_8, slots, budget) * slots
+        self.precision_hint.setText(
+            f"For {info.name} at this budget: {t16:,} tokens at the model's own precision, "
+            f"{t8:,} at 8-bit — about {(t8 - t16) // chats:,} more tokens per chat with "
+            f"{chats} chats at once. Automatic uses 8-bit when the budget cannot hold every "
+            "chat's full context.")
+
     def _kind_changed(self, *_args: object) -> None:
         self.folder_edit.setEnabled(self.kind_folder.isChecked())
         self.browse.setEnabled(self.kind_folder.isChecked())
@@ -199,6 +245,7 @@ class SettingsDialog(CheckedDialog):
             model_repo=self.repo_edit.text().strip(),
             kv_memory_mib=float(self.kv_spin.value()),
             block_size=int(self.block_combo.currentData()),
+            kv_precision=str(self.precision_combo.currentData()),
             theme=str(self.theme_combo.currentData()),
             default_system_prompt=self.system_prompt.toPlainText(),
             default_sampling=self._chosen_sampling(),

@@ -50,7 +50,9 @@ class SettingsFlow:
         w = self.window
         dialog = SettingsDialog(w.settings, w, registry=w.registry,
                                 tools=getattr(w, "tools", None),
-                                new_chat_defaults=self.new_chat_sampling())
+                                new_chat_defaults=self.new_chat_sampling(),
+                                model_info=getattr(getattr(w, "bridge", None), "model_info",
+                                                   None))
         if tab == "providers" and dialog.providers_page is not None:
             dialog.tabs.setCurrentWidget(dialog.providers_page)
         if tab == "tools" and dialog.tools_page is not None:

@@ -310,6 +310,11 @@ class ModelsWindow(QDialog):
         if held:  # how the loaded one holds its weights, in the toolbar tooltip's words
             models = [dataclasses.replace(m, quantization=f"{m.quantization}, runs as {held}")
                       if m.spec == self.current_spec() else m for m in models]
+        kv = getattr(info, "kv_dtype", "") if info is not None else ""
+        if kv and getattr(info, "paged", True):  # which KV precision it runs with (issue #26)
+            kv = "8-bit (int8)" if kv == "int8" else kv
+            models = [dataclasses.replace(m, quantization=f"{m.quantization}, K/V {kv}")
+                      if m.spec == self.current_spec() else m for m in models]
         if info is not None and not getattr(info, "paged", True):
             # What the loaded model turned out to be beats "checked at load".
             models = [dataclasses.replace(m, paged="no (mlx-lm's cache)")

@@ -23,6 +23,7 @@ import mlx.core as mx
 from engine.attention.plan_cache import PlanCache, plan_key
 from engine.attention.plans import (
     PARTITION_TOKENS,
+    Q8,
     KernelSet,
     KernelSource,
     Launch,
@@ -110,8 +111,11 @@ def plan_attention(
     split: bool | None = None,
     warps: int | None = None,
     sources: dict[str, KernelSource] | None = None,
+    k_scales: mx.array | None = None,
+    v_scales: mx.array | None = None,
 ) -> list[Launch]:
     """The launches computing paged attention (output 0 of the last launch, [B, H, L, D]).
+    With ``k_scales`` / ``v_scales`` the pools are 8-bit and ``paged_attention_q8`` runs.
 
     q [B, H, L, D]: L query tokens per sequence, the last at position ``context_lens - 1``
     (decode: L = 1; prefill chunk: B = 1), causal among themselves; pools
@@ -120,7 +124,7 @@ def plan_attention(
     """
     src = sources or KERNELS.sources()
     shape, block_tables, context_lens = checked_call(q, k_pool, v_pool, block_tables,
-                                                     context_lens)
+                                                     context_lens, k_scales, v_scales)
     batch, num_heads, query_len = shape.batch, shape.num_heads, shape.query_len
     head_dim, block_size, num_kv_heads = shape.head_dim, shape.block_size, shape.num_kv_heads
     group = shape.group
@@ -135,9 +139,16 @@ def plan_attention(
     parts = geo.partitions
     out_dtype = q.dtype if parts == 1 else mx.float32
     tiles = math.ceil(query_len / geo.query_tokens)
+    if k_scales is None:
+        kernel = src["paged_attention"]
+        inputs = (q, k_pool, v_pool, block_tables, context_lens, _scale_array(float(scale)))
+    else:
+        kernel = src["paged_attention" + Q8]
+        inputs = (q, k_pool, v_pool, k_scales, v_scales, block_tables, context_lens,
+                  _scale_array(float(scale)))
     attend = Launch(
-        kernel=src["paged_attention"],
-        inputs=(q, k_pool, v_pool, block_tables, context_lens, _scale_array(float(scale))),
+        kernel=kernel,
+        inputs=inputs,
         template=(
             ("T", q.dtype),
             ("O", out_dtype),
@@ -174,13 +185,16 @@ def _attend(
     block_tables: mx.array,
     context_lens: mx.array,
     scale: float,
+    k_scales: mx.array | None = None,
+    v_scales: mx.array | None = None,
 ) -> mx.array:
     """Run the plan for these shapes. The plan (validation, geometry, kernel objects) is built
     once per shape family and kept in ``PLANS``; later calls only pass arrays: an engine step
     calls this once per layer, so its Python cost is paid tens of times per token."""
     args = (q, k_pool, v_pool, as_int32(block_tables), as_int32(context_lens),
-            _scale_array(float(scale)))
-    return PLANS.run(plan_key(*args[:5]), args, lambda: plan_attention(*args[:5], scale))
+            _scale_array(float(scale)), k_scales, v_scales)
+    return PLANS.run(plan_key(*args[:5]), args, lambda: plan_attention(
+        *args[:5], scale, k_scales=k_scales, v_scales=v_scales))
 
 
 def paged_decode_cuda(
@@ -190,9 +204,12 @@ def paged_decode_cuda(
     block_tables: mx.array,
     context_lens: mx.array,
     scale: float,
+    k_scales: mx.array | None = None,
+    v_scales: mx.array | None = None,
 ) -> mx.array:
-    """``engine.attention.dispatch.reference_decode`` on the CUDA kernel: [B, H, 1, D]."""
-    return _attend(q, k_pool, v_pool, block_tables, context_lens, scale)
+    """``engine.attention.dispatch.reference_decode`` on the CUDA kernel: [B, H, 1, D]
+    (an 8-bit pool's scales in ``k_scales`` / ``v_scales``)."""
+    return _attend(q, k_pool, v_pool, block_tables, context_lens, scale, k_scales, v_scales)
 
 
 def paged_prefill_cuda(
@@ -204,6 +221,8 @@ def paged_prefill_cuda(
     scale: float,
     block_tables: mx.array | None = None,
     context_lens: mx.array | None = None,
+    k_scales: mx.array | None = None,
+    v_scales: mx.array | None = None,
 ) -> mx.array:
     """``engine.attention.dispatch.reference_prefill`` on the CUDA kernel: q [1, H, L, D] -> same.
 
@@ -213,4 +232,4 @@ def paged_prefill_cuda(
         block_tables = block_table.reshape(1, -1)
     if context_lens is None:
         context_lens = mx.array([context_len], dtype=mx.int32)
-    return _attend(q, k_pool, v_pool, block_tables, context_lens, scale)
+    return _attend(q, k_pool, v_pool, block_tables, context_lens, scale, k_scales, v_scales)

@@ -9,12 +9,17 @@ Two implementations behind one entry point, chosen at run time:
   decode kernel (``engine.attention.metal``) where the Metal backend is available, the CUDA
   decode and prefill kernel (``engine.attention.cuda``) where MLX's CUDA backend is.
 
-Pool layout (per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Pool layout (per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``. An 8-bit pool
+(engine/kv/int8.py) passes its int8 K/V with ``k_scales`` / ``v_scales``
+(``[num_blocks, block_size, num_kv_heads]``, fp16): the reference path dequantizes the blocks
+it gathers, the kernels dequantize as they read.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+from engine.kv import int8
 
 
 def gather_blocks(pool: mx.array, block_table: mx.array) -> mx.array:
@@ -26,6 +31,19 @@ def gather_blocks(pool: mx.array, block_table: mx.array) -> mx.array:
     return mx.contiguous(mx.swapaxes(tokens, -2, -3))
 
 
+def gather_kv(pool: mx.array, scales: mx.array | None, block_table: mx.array,
+              dtype: mx.Dtype) -> mx.array:
+    """``gather_blocks``, dequantized to ``dtype`` when the pool is 8-bit (``scales`` given):
+    the int8 bytes and their scales are gathered, then ``q * s`` (engine/kv/int8.py)."""
+    if scales is None:
+        return gather_blocks(pool, block_table)
+    q = gather_blocks(pool, block_table)  # int8 [..., kvh, T, D]: a quarter of fp32's bytes
+    s = scales[block_table]  # [..., nb, bs, kvh]
+    *lead, nb, bs, kvh = s.shape
+    s = mx.swapaxes(s.reshape(*lead, nb * bs, kvh), -1, -2)  # [..., kvh, T]
+    return int8.dequantize(q, s, dtype)
+
+
 def reference_decode(
     q: mx.array,
     k_pool: mx.array,
@@ -33,15 +51,18 @@ def reference_decode(
     block_tables: mx.array,
     context_lens: mx.array,
     scale: float,
+    k_scales: mx.array | None = None,
+    v_scales: mx.array | None = None,
 ) -> mx.array:
     """One query token per sequence.
 
     q: [B, H, 1, D]; block_tables: int32 [B, max_blocks] (unused entries may hold any valid
-    block id); context_lens: int32 [B], the tokens each query attends to (its own included).
+    block id); context_lens: int32 [B], the tokens each query attends to (its own included);
+    ``k_scales`` / ``v_scales``: an 8-bit pool's scales (None for a pool of q's dtype).
     Returns [B, H, 1, D].
     """
-    k = gather_blocks(k_pool, block_tables)  # [B, kvh, T, D]
-    v = gather_blocks(v_pool, block_tables)
+    k = gather_kv(k_pool, k_scales, block_tables, q.dtype)  # [B, kvh, T, D]
+    v = gather_kv(v_pool, v_scales, block_tables, q.dtype)
     positions = mx.arange(k.shape[2])
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [B,1,1,T]
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
@@ -54,15 +75,17 @@ def reference_prefill(
     block_table: mx.array,
     context_len: int,
     scale: float,
+    k_scales: mx.array | None = None,
+    v_scales: mx.array | None = None,
 ) -> mx.array:
     """A chunk of L consecutive query tokens of one sequence, the last of them at position
     ``context_len - 1``: causal inside the chunk, full over the sequence's earlier tokens.
 
-    q: [1, H, L, D]; block_table: int32 [nb] covering at least ``context_len`` tokens.
-    Returns [1, H, L, D].
+    q: [1, H, L, D]; block_table: int32 [nb] covering at least ``context_len`` tokens;
+    scales as in ``reference_decode``. Returns [1, H, L, D].
     """
-    k = gather_blocks(k_pool, block_table[None])[:, :, :context_len]
-    v = gather_blocks(v_pool, block_table[None])[:, :, :context_len]
+    k = gather_kv(k_pool, k_scales, block_table[None], q.dtype)[:, :, :context_len]
+    v = gather_kv(v_pool, v_scales, block_table[None], q.dtype)[:, :, :context_len]
     mask = "causal" if q.shape[2] > 1 else None
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
@@ -90,17 +113,21 @@ def paged_decode(
     context_lens: mx.array,
     scale: float,
     use_kernel: bool,
+    k_scales: mx.array | None = None,
+    v_scales: mx.array | None = None,
 ) -> mx.array:
-    """Decode attention: the backend's kernel when ``use_kernel``, else the reference path."""
+    """Decode attention: the backend's kernel when ``use_kernel``, else the reference path
+    (``k_scales`` / ``v_scales``: an 8-bit pool's, else None)."""
+    sc = {"k_scales": k_scales, "v_scales": v_scales}
     if use_kernel:
         if mx.cuda.is_available():
             from engine.attention.cuda import paged_decode_cuda
 
-            return paged_decode_cuda(q, k_pool, v_pool, block_tables, context_lens, scale)
+            return paged_decode_cuda(q, k_pool, v_pool, block_tables, context_lens, scale, **sc)
         from engine.attention.metal import paged_decode_kernel
 
-        return paged_decode_kernel(q, k_pool, v_pool, block_tables, context_lens, scale)
-    return reference_decode(q, k_pool, v_pool, block_tables, context_lens, scale)
+        return paged_decode_kernel(q, k_pool, v_pool, block_tables, context_lens, scale, **sc)
+    return reference_decode(q, k_pool, v_pool, block_tables, context_lens, scale, **sc)
 
 
 def paged_prefill(
@@ -113,15 +140,19 @@ def paged_prefill(
     use_kernel: bool,
     block_tables: mx.array | None = None,
     context_lens: mx.array | None = None,
+    k_scales: mx.array | None = None,
+    v_scales: mx.array | None = None,
 ) -> mx.array:
     """A prefill chunk (``reference_prefill``'s arguments): the CUDA kernel, reading earlier
     blocks through the block table, when ``use_kernel`` on the CUDA backend; else the
     reference path (Metal has no prefill kernel yet). ``block_tables`` ([1, nb]) and
     ``context_lens`` ([1]) are the kernel's forms of the table and the length, when the
-    caller built them once for every layer (engine/runner/step_batch.py)."""
+    caller built them once for every layer (engine/runner/step_batch.py); ``k_scales`` /
+    ``v_scales`` an 8-bit pool's."""
+    sc = {"k_scales": k_scales, "v_scales": v_scales}
     if use_kernel and mx.cuda.is_available():
         from engine.attention.cuda import paged_prefill_cuda
 
         return paged_prefill_cuda(q, k_pool, v_pool, block_table, context_len, scale,
-                                  block_tables=block_tables, context_lens=context_lens)
-    return reference_prefill(q, k_pool, v_pool, block_table, context_len, scale)
+                                  block_tables=block_tables, context_lens=context_lens, **sc)
+    return reference_prefill(q, k_pool, v_pool, block_table, context_len, scale, **sc)

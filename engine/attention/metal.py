@@ -24,6 +24,7 @@ import mlx.core as mx
 from engine.attention.plan_cache import PlanCache, plan_key
 from engine.attention.plans import (
     PARTITION_TOKENS,
+    Q8,
     KernelSet,
     KernelSource,
     Launch,
@@ -96,8 +97,11 @@ def plan_decode(
     split: bool | None = None,
     simdgroups: int | None = None,
     sources: dict[str, KernelSource] | None = None,
+    k_scales: mx.array | None = None,
+    v_scales: mx.array | None = None,
 ) -> list[Launch]:
     """The launches computing ``reference_decode``'s result (output 0 of the last launch).
+    With ``k_scales`` / ``v_scales`` the pools are 8-bit and ``paged_decode_q8`` runs.
 
     Shapes as in ``engine.attention.dispatch.reference_decode``: q [B, H, 1, D]; pools
     [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [B, max_blocks];
@@ -108,7 +112,7 @@ def plan_decode(
     if q.ndim != 4 or q.shape[2] != 1:
         raise ValueError(f"q must be [B, H, 1, D], got {q.shape}")
     shape, block_tables, context_lens = checked_call(q, k_pool, v_pool, block_tables,
-                                                     context_lens)
+                                                     context_lens, k_scales, v_scales)
     batch, num_heads, head_dim = shape.batch, shape.num_heads, shape.head_dim
     block_size, num_kv_heads, group = shape.block_size, shape.num_kv_heads, shape.group
     if simdgroups is not None and (
@@ -120,9 +124,16 @@ def plan_decode(
     )
     parts = geo.partitions
     out_dtype = q.dtype if parts == 1 else mx.float32
+    if k_scales is None:
+        kernel = src["paged_decode"]
+        inputs = (q, k_pool, v_pool, block_tables, context_lens, _scale_array(float(scale)))
+    else:
+        kernel = src["paged_decode" + Q8]
+        inputs = (q, k_pool, v_pool, k_scales, v_scales, block_tables, context_lens,
+                  _scale_array(float(scale)))
     decode = Launch(
-        kernel=src["paged_decode"],
-        inputs=(q, k_pool, v_pool, block_tables, context_lens, _scale_array(float(scale))),
+        kernel=kernel,
+        inputs=inputs,
         template=(
             ("T", q.dtype),
             ("O", out_dtype),
@@ -151,8 +162,12 @@ def paged_decode_kernel(
     block_tables: mx.array,
     context_lens: mx.array,
     scale: float,
+    k_scales: mx.array | None = None,
+    v_scales: mx.array | None = None,
 ) -> mx.array:
-    """``engine.attention.dispatch.reference_decode`` on the Metal kernel: [B, H, 1, D]."""
+    """``engine.attention.dispatch.reference_decode`` on the Metal kernel: [B, H, 1, D]
+    (an 8-bit pool's scales in ``k_scales`` / ``v_scales``)."""
     args = (q, k_pool, v_pool, as_int32(block_tables), as_int32(context_lens),
-            _scale_array(float(scale)))
-    return PLANS.run(plan_key(*args[:5]), args, lambda: plan_decode(*args[:5], scale))
+            _scale_array(float(scale)), k_scales, v_scales)
+    return PLANS.run(plan_key(*args[:5]), args,
+                     lambda: plan_decode(*args[:5], scale, k_scales=k_scales, v_scales=v_scales))

@@ -24,11 +24,19 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from engine.config import BLOCK_SIZES
+from engine.kv import int8
 
 HEAD_DIMS = (64, 80, 96, 128)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 MAX_GROUP = 16  # query heads per KV head (register arrays are sized by it)
 PARTITION_TOKENS = 512  # split-K partition size (a multiple of every block size)
+
+#: The suffix of an attention kernel's 8-bit variant (issue #26): the same body with
+#: ``#define PC_KV8 1`` in front, int8 pools and two scale inputs after ``v_pool``.
+Q8 = "_q8"
+Q8_DEFINE = "#define PC_KV8 1\n"
+Q8_INPUTS = ("q", "k_pool", "v_pool", "k_scales", "v_scales", "block_tables", "context_lens",
+             "scale")
 
 _KERNEL_MARKER = "// ==== kernel: "
 _HEADER_MARKER = "// ==== header ===="
@@ -113,6 +121,16 @@ def parse_kernel_source(text: str, signatures: Signatures, what: str) -> dict[st
     }
 
 
+def with_q8_variant(sources: dict[str, KernelSource], attend: str) -> dict[str, KernelSource]:
+    """``sources`` plus ``attend + Q8``: the attention kernel's body compiled for an 8-bit
+    pool (``PC_KV8``), so the two variants share every line but the dequantization (and a
+    planted bug in the file reaches both)."""
+    base = sources[attend]
+    q8 = KernelSource(attend + Q8, Q8_INPUTS, base.output_names, Q8_DEFINE + base.source,
+                      base.header)
+    return {**sources, q8.name: q8}
+
+
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype) -> bool:
     """Whether the kernels handle this attention shape (else use the reference path)."""
     return (
@@ -143,11 +161,12 @@ class CallShape:
 
 def checked_call(
     q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
-    context_lens: mx.array,
+    context_lens: mx.array, k_scales: mx.array | None = None, v_scales: mx.array | None = None,
 ) -> tuple[CallShape, mx.array, mx.array]:
     """The call's shape and its block tables and lengths as int32, or a ValueError naming
     what a kernel cannot take: q [B, H, L, D]; pools [num_blocks, block_size, kv_heads, D];
-    block_tables [B, max_blocks]; context_lens [B]."""
+    block_tables [B, max_blocks]; context_lens [B]; an 8-bit pool's scales
+    [num_blocks, block_size, kv_heads] fp16 (both or neither)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, H, L, D], got {q.shape}")
     if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
@@ -167,8 +186,17 @@ def checked_call(
         raise ValueError(f"block_size {block_size} not in {BLOCK_SIZES}")
     if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
         raise ValueError(f"{num_heads} query heads over {num_kv_heads} KV heads unsupported")
-    if q.dtype not in DTYPES or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
-        raise ValueError(f"dtypes {q.dtype}, {k_pool.dtype}, {v_pool.dtype} unsupported")
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("an 8-bit pool needs both k_scales and v_scales")
+    pool_dtype = q.dtype if k_scales is None else int8.INT8
+    if q.dtype not in DTYPES or k_pool.dtype != pool_dtype or v_pool.dtype != pool_dtype:
+        raise ValueError(f"dtypes {q.dtype}, {k_pool.dtype}, {v_pool.dtype} unsupported"
+                         + ("" if k_scales is None else " (an 8-bit pool is int8)"))
+    if k_scales is not None:
+        for sc in (k_scales, v_scales):
+            if sc.shape != k_pool.shape[:3] or sc.dtype != int8.SCALE_DTYPE:
+                raise ValueError(f"scales must be {k_pool.shape[:3]} {int8.SCALE_DTYPE}, "
+                                 f"got {sc.shape} {sc.dtype}")
     if block_tables.ndim != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"block_tables must be [{batch}, max_blocks], got {block_tables.shape}")
     if context_lens.shape != (batch,):
@@ -234,6 +262,7 @@ class KernelSet:
     needed, so planning (and the CPU emulation of a plan) needs neither backend."""
 
     def __init__(self, factory: str, path: Path, attend: str, reduce: str, what: str) -> None:
+        self.attend = attend
         self.factory = factory
         self.path = path
         self.signatures = attention_signatures(attend, reduce)
@@ -243,8 +272,10 @@ class KernelSet:
         self._objects: dict[KernelSource, object] = {}
 
     def parse(self, text: str) -> dict[str, KernelSource]:
-        """The kernels of ``text``, a version of the shader file (tests plant mutants)."""
-        return parse_kernel_source(text, self.signatures, self.what)
+        """The kernels of ``text``, a version of the shader file (tests plant mutants), with
+        the attention kernel's 8-bit variant (``with_q8_variant``)."""
+        return with_q8_variant(parse_kernel_source(text, self.signatures, self.what),
+                               self.attend)
 
     def sources(self) -> dict[str, KernelSource]:
         """The kernels of the shader file (read once)."""

@@ -10,6 +10,13 @@ The arrays hold one block more than ``num_blocks``: the last, ``SCRATCH_BLOCK``,
 handed out by the allocator. A step whose shapes are padded to a bucket
 (engine/runner/step_batch.py) writes its padding rows' K/V there, so a padding row never
 touches a block any sequence holds.
+
+An **8-bit pool** (``KVShape.quantized``, issue #26) stores K and V as int8 with one fp16
+scale per (slot, KV head) in ``k_scales`` / ``v_scales`` ([num_blocks + 1, block_size,
+num_kv_heads] per layer), quantized as they are written (engine/kv/int8.py). A block id
+names the same slots in the scale arrays as in K and V, so everything that moves block ids
+(prefix sharing, copy-on-write, preemption) works on 8-bit blocks unchanged; ``copy_blocks``
+copies the scales with the bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+from engine.kv import int8
 
 #: The scratch block padding rows write to: the pool arrays' last block, one past the
 #: allocator's ``num_blocks`` (MLX indexes from the end with a negative index, on every
@@ -31,10 +40,20 @@ class KVShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: mx.Dtype
+    dtype: mx.Dtype  # what the model computes K/V in (and what attention reads them as)
+    quantized: bool = False  # stored as int8 + one fp16 scale per (token, KV head)
 
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+        if self.quantized:
+            per_head = self.head_dim * int8.INT8.size + int8.SCALE_DTYPE.size
+        else:
+            per_head = self.head_dim * self.dtype.size
+        return 2 * self.num_layers * self.num_kv_heads * per_head
+
+    @property
+    def storage_dtype(self) -> mx.Dtype:
+        """The element type of the pool's K and V arrays."""
+        return int8.INT8 if self.quantized else self.dtype
 
 
 class KVPool:
@@ -43,9 +62,33 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         dims = (num_blocks + 1, block_size, shape.num_kv_heads, shape.head_dim)  # + scratch
-        self.keys = [mx.zeros(dims, dtype=shape.dtype) for _ in range(shape.num_layers)]
-        self.values = [mx.zeros(dims, dtype=shape.dtype) for _ in range(shape.num_layers)]
-        mx.eval(self.keys, self.values)
+        store = shape.storage_dtype
+        self.keys = [mx.zeros(dims, dtype=store) for _ in range(shape.num_layers)]
+        self.values = [mx.zeros(dims, dtype=store) for _ in range(shape.num_layers)]
+        #: 8-bit pools: per layer, one fp16 scale per (slot, KV head); empty otherwise.
+        self.k_scales: list[mx.array] = []
+        self.v_scales: list[mx.array] = []
+        if shape.quantized:
+            sdims = dims[:3]
+            self.k_scales = [mx.zeros(sdims, dtype=int8.SCALE_DTYPE)
+                             for _ in range(shape.num_layers)]
+            self.v_scales = [mx.zeros(sdims, dtype=int8.SCALE_DTYPE)
+                             for _ in range(shape.num_layers)]
+        mx.eval(self.arrays())
+
+    @property
+    def quantized(self) -> bool:
+        return self.shape.quantized
+
+    def arrays(self) -> list[mx.array]:
+        """Every array of the pool (K, V and, in an 8-bit pool, their scales)."""
+        return [*self.keys, *self.values, *self.k_scales, *self.v_scales]
+
+    def scales(self, layer: int) -> tuple[mx.array | None, mx.array | None]:
+        """``layer``'s K and V scales, or (None, None) in a pool of the model's own dtype."""
+        if not self.shape.quantized:
+            return None, None
+        return self.k_scales[layer], self.v_scales[layer]
 
     @property
     def bytes_per_block(self) -> int:
@@ -62,6 +105,14 @@ class KVPool:
         """Scatter ``keys``/``values`` ([T, kv_heads, head_dim]) into slots (blocks[i],
         offsets[i]) of ``layer``, in place."""
         # Item assignment rebinds the held array to the scatter's result (no second name).
+        if self.shape.quantized:
+            kq, ks = int8.quantize(keys)
+            vq, vs = int8.quantize(values)
+            self.keys[layer][blocks, offsets] = kq
+            self.values[layer][blocks, offsets] = vq
+            self.k_scales[layer][blocks, offsets] = ks
+            self.v_scales[layer][blocks, offsets] = vs
+            return
         self.keys[layer][blocks, offsets] = keys.astype(self.shape.dtype)
         self.values[layer][blocks, offsets] = values.astype(self.shape.dtype)
 
@@ -73,11 +124,11 @@ class KVPool:
         dst = mx.array([d for _, d in pairs], dtype=mx.int32)
         # Read the sources first: a scatter whose source still references the pool's buffer
         # could not run in place.
-        k_rows = [k[src] for k in self.keys]
-        v_rows = [v[src] for v in self.values]
-        mx.eval(k_rows, v_rows)
-        for layer in range(self.shape.num_layers):
-            self.keys[layer][dst] = k_rows[layer]
-            self.values[layer][dst] = v_rows[layer]
-        del k_rows, v_rows
-        mx.eval(self.keys, self.values)
+        held = [self.keys, self.values, self.k_scales, self.v_scales]
+        rows = [[a[src] for a in arrays] for arrays in held]
+        mx.eval(rows)
+        for arrays, copied in zip(held, rows, strict=True):
+            for layer, r in enumerate(copied):
+                arrays[layer][dst] = r
+        del rows
+        mx.eval(self.arrays())

@@ -81,28 +81,31 @@ class PagedLayerCache:
         b = self.batch
         k_pool = self.pool.keys[self.layer]
         v_pool = self.pool.values[self.layer]
+        k_scales, v_scales = self.pool.scales(self.layer)  # None, None unless 8-bit
+        sc = {"k_scales": k_scales, "v_scales": v_scales}
         parts = []
         if b.num_decode:
             q = queries[: b.num_decode]
             if self._kernel_fits(queries.shape[1]):
                 parts.append(attention.paged_decode(
-                    q, k_pool, v_pool, b.decode_tables, b.decode_lens, scale, use_kernel=True))
+                    q, k_pool, v_pool, b.decode_tables, b.decode_lens, scale, use_kernel=True,
+                    **sc))
             elif len(b.decode_groups) == 1:
                 parts.append(attention.reference_decode(
-                    q, k_pool, v_pool, b.decode_tables, b.decode_lens, scale))
+                    q, k_pool, v_pool, b.decode_tables, b.decode_lens, scale, **sc))
             else:  # each group of rows over its own tables' width, not the longest one's
                 for g in b.decode_groups:
                     parts.append(attention.reference_decode(
                         q[g.start:g.stop], k_pool, v_pool,
                         b.decode_tables[g.start:g.stop, :g.width], b.decode_lens[g.start:g.stop],
-                        scale))
+                        scale, **sc))
         for chunk in b.prefills:
             q = queries[chunk.row_start : chunk.row_start + chunk.length]
             q = mx.swapaxes(q, 0, 2)  # [1, heads, L, head_dim]
             out = attention.paged_prefill(
                 q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale,
                 use_kernel=self._kernel_fits(queries.shape[1]),
-                block_tables=chunk.block_tables, context_lens=chunk.context_lens,
+                block_tables=chunk.block_tables, context_lens=chunk.context_lens, **sc,
             )
             parts.append(mx.swapaxes(out, 0, 2))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
@@ -200,4 +203,4 @@ class PagedModel:
     def written(self) -> list[mx.array]:
         """The pool arrays a step wrote (lazy until evaluated): evaluating them runs a step
         that wants no logits."""
-        return [*self.pool.keys, *self.pool.values]
+        return self.pool.arrays()

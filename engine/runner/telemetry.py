@@ -205,6 +205,7 @@ class Telemetry:
         force: bool = False,
         paged: bool = True,
         kv_dtype: str = "",
+        full_bytes_per_block: int = 0,
     ) -> None:
         """Build a snapshot if one was asked for and the last is ``SNAPSHOT_INTERVAL_S``
         old, or if ``force`` (the engine went idle, or loaded, or stopped)."""
@@ -246,6 +247,7 @@ class Telemetry:
             model_name=model_name,
             paged=paged,
             kv_dtype=kv_dtype,
+            full_bytes_per_block=full_bytes_per_block or bytes_per_block,
         )
 
     def _session_stats(self, requests: Iterable[Request], alloc: BlockAllocator,
