@@ -22,6 +22,10 @@ independent reference; fp32 weights):
 * log-probabilities (the chosen token's and the top 5) against mlx-lm's log-softmax;
 * a constrained reply (llguidance's mask applied on the device) against mlx-lm's greedy
   restricted by hand to the tokens a finite language allows, on a byte-level tokenizer;
+* the 8-bit pool (``kv_precision="int8"``): every prompt length on every attention path ends
+  without error, and the kernel's greedy tokens agree with the reference path's on the same
+  8-bit pool (reported; the 8-bit kernels themselves are checked against a float64 oracle by
+  tests/test_kv8_kernels.py in check.sh);
 * no request anywhere ends with ``finish_reason`` error.
 
 Greedy tokens must equal the reference's up to the first near-tie of the reference (top two
@@ -486,6 +490,37 @@ def constrained(results: Results, folder: Path, sizes: Sizes) -> None:
         eng.stop()
 
 
+def int8_pool(results: Results, folder: Path, sizes: Sizes, modes: list[str]) -> None:
+    """Every prompt length on an 8-bit pool, per attention path: no error, a full reply;
+    the kernel's greedy tokens against the reference path's (same 8-bit pool) reported as
+    the share of replies identical (8-bit rounding differs between the paths' reductions,
+    so near-ties may flip: agreement is printed, not asserted)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=sizes.new_tokens)
+    prompts = {n: prompt_of(n, sizes.vocab, seed=n) for n in sizes.prompt_lengths}
+    replies: dict[str, dict[int, list[int]]] = {}
+    for mode in modes:
+        eng = start(folder, sizes, attention=mode, kv_precision="int8",
+                    prefill_chunk=max(sizes.chunks), prefill_target=0)
+        try:
+            handles = {n: eng.submit(prompt_tokens=p, params=greedy, session_id=f"q8-{n}")
+                       for n, p in prompts.items()}
+            replies[mode] = {}
+            for n, handle in handles.items():
+                tokens, finals = collect(handle)
+                if ended_well(results, f"[int8 {mode}] prompt {n}", finals):
+                    replies[mode][n] = tokens.get(0, [])
+                    results.check(f"[int8 {mode}] prompt {n} full reply",
+                                  len(replies[mode][n]) >= 1, "no token")
+        finally:
+            eng.stop()
+    if len(modes) > 1:
+        a, b = (replies[m] for m in modes[:2])
+        same = sum(a.get(n) == b.get(n) for n in prompts)
+        print(f"  int8 pool: kernel and reference replies identical for {same} of "
+              f"{len(prompts)} prompts", flush=True)
+        results.timings["int8 kernel=reference replies"] = same / len(prompts)
+
+
 def preemption(results: Results, folder: Path, ref: Reference, sizes: Sizes) -> None:
     bs = sizes.block_size
     replies = 4
@@ -584,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
                 eng.stop()
             cancel_mid_prefill(results, folder, sizes, mode)
         preemption(results, folder, ref, sizes)
+        int8_pool(results, folder, sizes, modes)
         constrained(results, write_model_folder(Path(tmp) / "check-bytes", sizes,
                                                 byte_level=True), sizes)
     elapsed = time.perf_counter() - t0
