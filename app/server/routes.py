@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
@@ -25,6 +27,7 @@ from starlette.routing import Route
 
 from app.core.model_names import model_id
 from app.server.answer import body_of, check_first, check_model, collect, submit_parsed
+from app.server.batches import DEFAULT_MAX_FILE_BYTES, BatchManager, batch_routes
 from app.server.errors import APIError
 from app.server.keys import bearer_matches
 from app.server.params import ParsedRequest, parse_chat, parse_completion
@@ -47,12 +50,17 @@ DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
 class ServerOptions:
     """api_key: the bearer key every /v1 request must carry (compared in constant time).
     max_request_bytes: larger bodies get 413. max_concurrent: requests in flight beyond it
-    get 429. model_aliases: other names accepted in a request's ``model`` field."""
+    get 429 (batch jobs have their own limit). model_aliases: other names accepted in a
+    request's ``model`` field."""
 
     api_key: str
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_concurrent: int = DEFAULT_MAX_CONCURRENT
     model_aliases: tuple[str, ...] = ("default",)
+    #: where /v1/files and /v1/batches keep their files; None: a temporary folder, gone
+    #: with the process
+    files_dir: Path | None = None
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
 
 @dataclass
@@ -61,6 +69,7 @@ class _State:
     engine: Callable[[], Engine | None]
     in_flight: int = 0
     handles: set[RequestHandle] = field(default_factory=set)
+    batches: BatchManager | None = None
 
 
 def session_for(user: str | None) -> str:
@@ -109,11 +118,15 @@ def create_app(engine: Engine | Callable[[], Engine | None], options: ServerOpti
     async def completions(request: Request) -> Response:
         return await _generate(state, request, chat=False)
 
+    files_dir = options.files_dir or Path(tempfile.mkdtemp(prefix="pagedchat-files-"))
+    state.batches = BatchManager(files_dir, provider, options.model_aliases)
     app = Starlette(
         routes=[
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            *batch_routes(state.batches, lambda request: _authorise(state, request),
+                          options.max_file_bytes, lambda request: _read_json(state, request)),
             Route("/health", health, methods=["GET"]),
         ],
         exception_handlers={APIError: handle_errors, HTTPException: handle_errors},
@@ -122,10 +135,17 @@ def create_app(engine: Engine | Callable[[], Engine | None], options: ServerOpti
     return app
 
 
+def started(app: Starlette) -> None:
+    """The server listens (on its loop): go on with the batches a previous run left."""
+    app.state.pagedchat.batches.resume_unfinished()
+
+
 def cancel_all(app: Starlette) -> None:
-    """Cancel every request in flight (shutdown): each stream then ends with a final chunk."""
+    """Cancel every request in flight (shutdown): each stream then ends with a final chunk.
+    Batch jobs stop too, their batches left in progress for the next start to finish."""
     for handle in list(app.state.pagedchat.handles):
         handle.cancel()
+    app.state.pagedchat.batches.stop_jobs()
 
 
 def _authorise(state: _State, request: Request) -> None:
