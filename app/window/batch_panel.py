@@ -46,6 +46,15 @@ MAX_ERRORS_SHOWN = 12
 DEFAULT_CONCURRENCY = 16
 
 
+async def _answered(box: QMessageBox) -> None:
+    """Show ``box`` (window-modal) and wait for the user's answer on the loop: no nested
+    event loop inside a coroutine."""
+    answered = asyncio.get_running_loop().create_future()
+    box.finished.connect(lambda _result: answered.done() or answered.set_result(None))
+    box.open()
+    await answered
+
+
 def output_path(path: Path) -> Path:
     return path.with_name(path.stem + ".output.jsonl")
 
@@ -142,17 +151,22 @@ class BatchPanel(QDockWidget):
             lines, errors = await asyncio.to_thread(read_input, path)
             await asyncio.to_thread(output.load, {line.custom_id for line in lines})
         except BatchInputError as exc:
-            QMessageBox.warning(self.window_, "Run Batch", str(exc))
+            await self._tell(str(exc))
             return None
-        if errors and not self._skip_bad_lines(path, lines, errors):
+        if errors and not await self._skip_bad_lines(path, lines, errors):
             return None
         if not lines:
-            QMessageBox.warning(self.window_, "Run Batch", f"{path.name} has no valid line.")
+            await self._tell(f"{path.name} has no valid line.")
             return None
         return await self._run(path, lines, output)
 
-    def _skip_bad_lines(self, path: Path, lines: list[BatchLine],
-                        errors: list[LineError]) -> bool:
+    async def _tell(self, text: str) -> None:
+        box = QMessageBox(QMessageBox.Icon.Warning, "Run Batch", text, parent=self.window_)
+        box.setObjectName("batchProblem")
+        await _answered(box)
+
+    async def _skip_bad_lines(self, path: Path, lines: list[BatchLine],
+                              errors: list[LineError]) -> bool:
         shown = "\n".join(str(e) for e in errors[:MAX_ERRORS_SHOWN])
         more = len(errors) - MAX_ERRORS_SHOWN
         box = QMessageBox(QMessageBox.Icon.Warning, "Run Batch",
@@ -164,7 +178,7 @@ class BatchPanel(QDockWidget):
                              QMessageBox.ButtonRole.AcceptRole)
         box.addButton(QMessageBox.StandardButton.Cancel)
         skip.setEnabled(bool(lines))
-        box.exec()
+        await _answered(box)
         return box.clickedButton() is skip
 
     async def _run(self, path: Path, lines: list[BatchLine], output: OutputFile) -> Progress:
