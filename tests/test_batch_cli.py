@@ -204,3 +204,18 @@ def test_five_hundred_lines_equal_one_by_one_and_survive_a_kill(tmp_path, one_by
     check_output(out, rows, one_by_one)
     (tmp_path / "b").mkdir()
     kill_halfway_then_rerun(tmp_path / "b", rows, one_by_one)
+
+
+def test_the_batch_path_imports_no_qt(tmp_path) -> None:
+    inp = write_jsonl(tmp_path / "in.jsonl", ["{broken"])
+    code = (
+        "import sys\n"
+        "from app.main import main\n"
+        f"assert main(['batch', {str(inp)!r}, '-o', {str(tmp_path / 'o.jsonl')!r}]) == 2\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('PySide6', 'qasync'))))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[]"]
+    assert "line 1: not valid JSON" in result.stderr
