@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedchat",
         description="Several local-LLM chats side by side, streaming from one paged KV pool.",
-        epilog="`pagedchat serve --help`: the OpenAI-compatible API server, without a window.",
+        epilog="`pagedchat serve --help`: the OpenAI-compatible API server, without a window. "
+        "`pagedchat batch --help`: an OpenAI batch file (JSONL) through the engine.",
     )
     p.add_argument(
         "--model",
@@ -86,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         from app.server.cli import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["batch"]:  # headless: an OpenAI batch file through the engine, no Qt
+        from app.server.batch_cli import main as batch_main
+
+        return batch_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.self_test:

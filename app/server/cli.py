@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 
+from app.server.batches import default_files_dir
 from app.server.keys import ENV_VAR, KeyUnavailable, resolve_key
 from app.server.routes import (
     DEFAULT_MAX_CONCURRENT,
@@ -26,7 +28,8 @@ DEFAULT_PORT = 8080
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedchat serve",
-        description="Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) "
+        description="Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, "
+        "/v1/files, /v1/batches) "
         "from PagedChat's paged engine, without a window.",
     )
     p.add_argument("--host", default=LOOPBACK,
@@ -52,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body before answering 413 (default "
                    f"{DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--files-dir", metavar="DIR", type=Path, default=None,
+                   help="where /v1/files and /v1/batches keep uploads, outputs and batches "
+                   f"(default {default_files_dir()})")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     return p
@@ -95,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         _say(f"pagedchat serve: {exc}", err=True)
         return 2
+    files_dir = args.files_dir or default_files_dir()
+    try:
+        files_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        _say(f"pagedchat serve: the files folder {files_dir} cannot be created: "
+             f"{exc.strerror or exc} (choose another with --files-dir)", err=True)
+        return 2
     try:
         sock = bind(args.host, args.port)
     except BindError as exc:
@@ -114,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         app = create_app(engine, ServerOptions(
             api_key=key, max_request_bytes=args.max_request_bytes,
-            max_concurrent=args.max_concurrent, model_aliases=("default", args.model)))
+            max_concurrent=args.max_concurrent, model_aliases=("default", args.model),
+            files_dir=files_dir))
         url = url_of(sock)
         where = {"keychain": "the OS keychain (print it with `pagedchat serve --show-key`)"}
 

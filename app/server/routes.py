@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import functools
 import json
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
@@ -26,13 +26,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from app.core.model_names import model_id
-from app.core.tool_calls import ToolPrompt, chat_prompt
+from app.server.answer import body_of, check_first, check_model, collect, submit_parsed
+from app.server.batches import DEFAULT_MAX_FILE_BYTES, BatchManager, batch_routes
 from app.server.errors import APIError
 from app.server.keys import bearer_matches
-from app.server.params import ParsedRequest, parse_chat, parse_completion, with_max_tokens
+from app.server.params import ParsedRequest, parse_chat, parse_completion
 from app.server.streaming import Reply, sse_events
-from app.server.tools import CallSplitter, call_constraint
-from engine import Engine, FinalEvent, FinishReason, Priority, RequestHandle
+from engine import Engine, Priority, RequestHandle
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 DEFAULT_MAX_CONCURRENT = 16
@@ -50,12 +50,17 @@ DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
 class ServerOptions:
     """api_key: the bearer key every /v1 request must carry (compared in constant time).
     max_request_bytes: larger bodies get 413. max_concurrent: requests in flight beyond it
-    get 429. model_aliases: other names accepted in a request's ``model`` field."""
+    get 429 (batch jobs have their own limit). model_aliases: other names accepted in a
+    request's ``model`` field."""
 
     api_key: str
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_concurrent: int = DEFAULT_MAX_CONCURRENT
     model_aliases: tuple[str, ...] = ("default",)
+    #: where /v1/files and /v1/batches keep their files; None: a temporary folder, gone
+    #: with the process
+    files_dir: Path | None = None
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
 
 @dataclass
@@ -64,6 +69,7 @@ class _State:
     engine: Callable[[], Engine | None]
     in_flight: int = 0
     handles: set[RequestHandle] = field(default_factory=set)
+    batches: BatchManager | None = None
 
 
 def session_for(user: str | None) -> str:
@@ -112,11 +118,15 @@ def create_app(engine: Engine | Callable[[], Engine | None], options: ServerOpti
     async def completions(request: Request) -> Response:
         return await _generate(state, request, chat=False)
 
+    files_dir = options.files_dir or Path(tempfile.mkdtemp(prefix="pagedchat-files-"))
+    state.batches = BatchManager(files_dir, provider, options.model_aliases)
     app = Starlette(
         routes=[
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            *batch_routes(state.batches, lambda request: _authorise(state, request),
+                          options.max_file_bytes, lambda request: _read_json(state, request)),
             Route("/health", health, methods=["GET"]),
         ],
         exception_handlers={APIError: handle_errors, HTTPException: handle_errors},
@@ -125,10 +135,17 @@ def create_app(engine: Engine | Callable[[], Engine | None], options: ServerOpti
     return app
 
 
+def started(app: Starlette) -> None:
+    """The server listens (on its loop): go on with the batches a previous run left."""
+    app.state.pagedchat.batches.resume_unfinished()
+
+
 def cancel_all(app: Starlette) -> None:
-    """Cancel every request in flight (shutdown): each stream then ends with a final chunk."""
+    """Cancel every request in flight (shutdown): each stream then ends with a final chunk.
+    Batch jobs stop too, their batches left in progress for the next start to finish."""
     for handle in list(app.state.pagedchat.handles):
         handle.cancel()
+    app.state.pagedchat.batches.stop_jobs()
 
 
 def _authorise(state: _State, request: Request) -> None:
@@ -188,39 +205,6 @@ async def _drain(request: Request) -> None:
             return
 
 
-def _check_model(engine: Engine, state: _State, parsed: ParsedRequest) -> None:
-    if parsed.model is None:
-        return
-    # its id, and the engine's own name (what the server answered to before)
-    known = (model_id(engine.model_info.name), engine.model_info.name,
-             *state.options.model_aliases)
-    if parsed.model not in known:
-        raise APIError(404, f"the model {parsed.model!r} does not exist on this server; it "
-                       f"serves {model_id(engine.model_info.name)!r}", param="model",
-                       code="model_not_found")
-
-
-_Prompt = ToolPrompt  # the prompt and how its reply writes calls (app/core/tool_calls.py)
-
-
-def _chat_prompt(engine: Engine, parsed: ParsedRequest) -> _Prompt:
-    """The chat's prompt, with its tools (shared with the app's chats)."""
-    return chat_prompt(engine, parsed.messages, parsed.raw_messages or [], parsed.tool_use)
-
-
-async def _prompt_tokens(engine: Engine, parsed: ParsedRequest) -> _Prompt:
-    if parsed.prompt_tokens is not None:
-        return _Prompt(parsed.prompt_tokens)
-    try:
-        if parsed.messages is not None:
-            return await asyncio.to_thread(_chat_prompt, engine, parsed)
-        return _Prompt(await asyncio.to_thread(engine.encode, parsed.prompt_text))
-    except Exception as exc:
-        param = "messages" if parsed.messages is not None else "prompt"
-        raise APIError(400, f"the {param} could not be tokenised for this model: {exc}",
-                       param=param, code="invalid_value") from exc
-
-
 async def _until_disconnect(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -249,7 +233,7 @@ async def _generate(state: _State, request: Request, chat: bool) -> Response:
     body = await _read_json(state, request)
     parsed = parse_chat(body) if chat else parse_completion(body)
     engine = _ready_engine(state)
-    _check_model(engine, state, parsed)
+    check_model(engine, state.options.model_aliases, parsed.model)
     if state.in_flight >= state.options.max_concurrent:
         raise APIError(429, f"the server is busy: {state.in_flight} requests in flight (the "
                        f"limit is {state.options.max_concurrent}); retry shortly",
@@ -267,39 +251,11 @@ async def _generate(state: _State, request: Request, chat: bool) -> Response:
 
 async def _submit_and_answer(state: _State, request: Request, engine: Engine,
                              parsed: ParsedRequest, chat: bool) -> Response:
-    prompt = await _prompt_tokens(engine, parsed)
-    tokens = prompt.tokens
-    limit = engine.model_info.max_context
-    param = "messages" if chat else "prompt"
-    if len(tokens) >= limit:
-        raise APIError(400, f"the prompt is {len(tokens)} tokens but this model's context "
-                       f"limit is {limit}: shorten it", param=param,
-                       code="context_length_exceeded")
-    params = with_max_tokens(parsed, len(tokens), limit)
-    use = parsed.tool_use
-    if use is not None and use.forced:
-        if params.constraint is not None:
-            raise APIError(400, "response_format cannot be combined with a required tool call",
-                           param="response_format", code="invalid_value")
-        params = dataclasses.replace(params, constraint=call_constraint(
-            use, prompt.syntax.start, prompt.syntax.end))
     # API requests are background work: the chats in front of the user go first.
-    submit = functools.partial(engine.submit, prompt_tokens=tokens, params=params,
-                               session_id=session_for(parsed.user), priority=Priority.BACKGROUND)
-    if params.constraint is None:
-        handle = submit()
-    else:  # compiling a grammar takes a moment (the first one builds the tokenizer's side)
-        try:
-            handle = await asyncio.to_thread(submit)
-        except ValueError as exc:
-            param = "tools" if use is not None and use.forced else "response_format"
-            raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+    submitted = await submit_parsed(engine, parsed, chat, session_for(parsed.user),
+                                    priority=Priority.BACKGROUND)
+    handle, reply, param = submitted.handle, submitted.reply, submitted.param
     state.handles.add(handle)
-    reply = Reply(chat=chat, model=model_id(engine.model_info.name), n=params.n,
-                  token_text=lambda token: engine.decode([token]),
-                  splitter=(None if prompt.syntax is None else
-                            functools.partial(CallSplitter, prompt.syntax, list(use.tools))),
-                  include_usage=parsed.include_usage)
     events = handle.stream()
     handed_over = False
     try:
@@ -307,9 +263,7 @@ async def _submit_and_answer(state: _State, request: Request, engine: Engine,
         if not finished:
             handle.cancel()
             return Response(status_code=499)
-        if isinstance(first, FinalEvent) and first.finish_reason == FinishReason.ERROR \
-                and first.usage.generated_tokens == 0:
-            raise _engine_error(first, param)
+        check_first(first, param)
         if parsed.stream:
             handed_over = True
             finish = _finisher(state, handle)
@@ -321,24 +275,15 @@ async def _submit_and_answer(state: _State, request: Request, engine: Engine,
                 shutdown_event=_anyio_event(),
                 shutdown_grace_period=SHUTDOWN_GRACE_S,
             )
-        finished, _ = await _or_disconnect(request, _collect(reply, first, events))
+        finished, _ = await _or_disconnect(request, collect(reply, first, events))
         if not finished:
             handle.cancel()
             return Response(status_code=499)
-        error = reply.error()
-        if error is not None:
-            raise APIError(500, error, code="generation_failed")
-        return JSONResponse(reply.body())
+        return JSONResponse(body_of(reply))
     finally:
         if not handed_over:
             state.handles.discard(handle)
             await events.aclose()
-
-
-async def _collect(reply: Reply, first, events) -> None:
-    reply.event_chunks(first)
-    async for event in events:
-        reply.event_chunks(event)
 
 
 async def _stream(finish, reply: Reply, first, events):
@@ -367,15 +312,6 @@ def _finisher(state: _State, handle: RequestHandle):
         state.in_flight -= 1
 
     return finish
-
-
-def _engine_error(final: FinalEvent, param: str) -> APIError:
-    message = final.error or "the request failed"
-    if message.startswith(("generation failed", "engine error")):
-        return APIError(500, message, code="generation_failed")
-    if "context limit" in message:
-        return APIError(400, message, param=param, code="context_length_exceeded")
-    return APIError(400, message, param=param, code="invalid_value")
 
 
 def _anyio_event():

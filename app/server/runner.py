@@ -20,7 +20,7 @@ from collections.abc import Callable
 import uvicorn
 from starlette.applications import Starlette
 
-from app.server.routes import SHUTDOWN_GRACE_S, cancel_all
+from app.server.routes import SHUTDOWN_GRACE_S, cancel_all, started
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,8 @@ class _Server(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
+        if self.started:
+            started(self._app)
         if self.started and self._on_started is not None:
             self._on_started()
 

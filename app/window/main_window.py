@@ -44,6 +44,7 @@ from app.ui.qt_util import from_b64, to_b64
 from app.ui.theme import theme_manager
 from app.window.actions import THEMES, build_actions, build_toolbar, refresh_icons, shortcut_rows
 from app.window.banners import CompareBar, EngineBanner, ModelButton, PoolLabel, SpeedBanner
+from app.window.batch_panel import BatchPanel
 from app.window.dock_fit import DockFitter
 from app.window.pane_deck import MAX_PANES, PaneDeck
 from app.window.server_panel import ServerPanel
@@ -95,6 +96,8 @@ class MainWindow(QMainWindow):
         self._wire()
         self.server_panel = ServerPanel(self, store, bridge)
         self.server_panel.install()
+        self.batch_panel = BatchPanel(self, store, bridge)  # File > Run Batch…
+        self.batch_panel.install()
         self.restore_layout()
         self.dock_fitter = DockFitter(self, self.monitor_dock, self.sidebar)
         self.deck.countChanged.connect(lambda _n: QTimer.singleShot(0, self.dock_fitter.fit))
@@ -186,6 +189,9 @@ class MainWindow(QMainWindow):
     # ---- the chats, as the monitor sees them ----------------------------------------------
 
     def chat_title(self, session_id: str) -> str | None:
+        batch = self.batch_panel.title_for(session_id)
+        if batch is not None:  # a batch job's requests (app/window/batch_panel.py)
+            return batch
         chat = ChatTitler.chat_of(session_id)
         if chat is not None:  # the request that names a chat (app/chat/titler.py)
             named = self.chat_title(chat)
@@ -464,6 +470,7 @@ class MainWindow(QMainWindow):
         self.save_layout()
         self.server_panel.shutdown()
         self.titler.close()  # a title answered after this would write to a closed store
+        self.batch_panel.shutdown()
         self.manager.interrupt_all()
         self.tools.close()
         self._closed = True

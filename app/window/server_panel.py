@@ -35,6 +35,7 @@ from app.server.keys import KeyUnavailable, resolve_key
 
 SETTINGS_KEY = "api_server"
 DEFAULT_PORT = 8080
+FILES_FOLDER = "api-files"  # /v1/files and /v1/batches, in the data folder
 
 
 @dataclass
@@ -179,14 +180,18 @@ class ServerPanel(QObject):
         except KeyUnavailable as exc:
             self._fail(str(exc))
             return
-        app = create_app(lambda: self.bridge.engine, ServerOptions(api_key=self._key))
-        server = ServerThread(app, port=self.settings.port)
         self._busy = True
+        data_dir = getattr(self.store, "data_dir", None)
+        options = ServerOptions(api_key=self._key, files_dir=(
+            None if data_dir is None else data_dir / FILES_FOLDER))
+        port = self.settings.port
 
-        def run() -> None:
+        def run() -> None:  # creating the app reads the batches folder: not on the GUI thread
             if previous is not None:
                 previous.stop()
             try:
+                server = ServerThread(create_app(lambda: self.bridge.engine, options),
+                                      port=port)
                 url = server.start()
             except Exception as exc:  # a busy port: shown to the user, the app goes on
                 self._busy = False
