@@ -8,8 +8,9 @@
 * the engine on the real default model: greedy replies with the 8-bit pool against the
   model-precision pool (agreement measured and reported, bounded below, not asserted
   identical), and prefix sharing, copy-on-write forks and preemption on 8-bit blocks,
-  which move block ids, not bytes: replies equal the 8-bit engine's own without them,
-  and no block leaks.
+  which move block ids, not bytes: replies equal the 8-bit engine's own without them up to
+  its first near-tie (a preempted chat's recompute writes its bytes again), and no block
+  leaks.
 
 The kernels' 8-bit variants are checked in tests/test_kv8_kernels.py.
 """
@@ -27,10 +28,11 @@ import pytest
 
 from engine import Engine, EngineConfig, FinishReason, SamplingParams
 from engine.attention.dispatch import reference_decode, reference_prefill
+from engine.events import FinalEvent, TokenEvent, TokenLogprob
 from engine.kv import int8
 from engine.kv.pool import KVPool, KVShape
 from engine.loading import kv_quantized
-from tests.reference import chat_prompt, collect, wait_until
+from tests.reference import chat_prompt, wait_until
 
 INT8_SOURCE = Path(int8.__file__)
 
@@ -349,6 +351,18 @@ QUESTIONS = [
     "Explain what a KV cache is in one sentence.",
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+#: The 8-bit reference run also reports each position's two likeliest tokens.
+GREEDY_TOP2 = SamplingParams(temperature=0.0, max_tokens=32, logprobs=2)
+#: A near-tie of the 8-bit reference: its two likeliest tokens closer than this (nats).
+#: Recomputation and batching cannot promise the very bytes: the fp32 K/V a step computes
+#: differ in their last bits with the step's shape (a preempted chat's recompute is one
+#: prefill where decode steps first wrote its tokens; a batch of five rows is not a batch of
+#: four), and one ulp can round an int8 value to its neighbour. Measured on the default model
+#: (CPU): such flips move a logit by at most 0.02 nats, and flipped greedy choices whose
+#: reference margin was 0.005 nats (prompt 3, token 29, both preempted and alone) and at most
+#: 0.021 (prompt 1, in CI). A real fault (a block's scales not copied, a wrong block
+#: reused) moves logits by far more, before any tie.
+NEAR_TIE = 0.05
 #: 30 layers x 2 x 3 KV heads x (64 int8 + 2 bytes of fp16 scale) x 16 slots
 INT8_BLOCK_BYTES = 30 * 2 * 3 * 66 * 16
 
@@ -358,17 +372,38 @@ def user(text: str) -> list[dict]:
 
 
 def run_engine(cfg: EngineConfig, jobs: list[tuple[list[int], SamplingParams]]):
+    """Run ``jobs`` at once; each result: (tokens by sample, finals by sample, logprobs by
+    sample (empty lists unless the job asked for them))."""
     eng = Engine(cfg)
     eng.start()
     try:
         assert eng.wait_ready(600), eng.load_error
         handles = [eng.submit(prompt_tokens=p, params=sp, session_id=f"s{i}")
                    for i, (p, sp) in enumerate(jobs)]
-        results = [collect(h) for h in handles]
+        results = [collect_with_logprobs(h) for h in handles]
         wait_until(lambda: eng.snapshot().used_blocks == 0)
         return eng.model_info, results, eng.snapshot()
     finally:
         eng.stop()
+
+
+def collect_with_logprobs(handle):
+    tokens: dict[int, list[int]] = {}
+    finals: dict[int, FinalEvent] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {}
+    for event in handle:
+        if isinstance(event, TokenEvent):
+            tokens.setdefault(event.index, []).extend(event.token_ids)
+            logprobs.setdefault(event.index, []).extend(event.logprobs or ())
+        else:
+            finals[event.index] = event
+    return tokens, finals, logprobs
+
+
+def first_near_tie(logprobs: list[TokenLogprob]) -> int:
+    """The first position where the two likeliest tokens are closer than ``NEAR_TIE``."""
+    return next((i for i, lp in enumerate(logprobs)
+                 if len(lp.top) > 1 and lp.top[0][1] - lp.top[1][1] < NEAR_TIE), len(logprobs))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -380,7 +415,8 @@ def int8_replies():
     prompts = [chat_prompt(user(q)) for q in QUESTIONS]
     jobs = [(p, GREEDY) for p in prompts]
     full = run_engine(EngineConfig(kv_memory_mib=64, max_batch=8), jobs)
-    q8 = run_engine(EngineConfig(kv_memory_mib=64, max_batch=8, kv_precision="int8"), jobs)
+    q8 = run_engine(EngineConfig(kv_memory_mib=64, max_batch=8, kv_precision="int8"),
+                    [(p, GREEDY_TOP2) for p in prompts])
     return prompts, full, q8
 
 
@@ -392,7 +428,7 @@ def test_int8_engine_greedy_agreement_with_the_full_precision_pool(int8_replies)
     assert info.full_bytes_per_block == full_info.bytes_per_block == 30 * 2 * 3 * 64 * 4 * 16
     assert info.num_blocks == 64 * 2**20 // INT8_BLOCK_BYTES  # 3.9x the fp32 pool's
     prefixes = []
-    for (a, _), (b, fb) in zip(full, q8, strict=True):
+    for (a, _, _), (b, fb, _) in zip(full, q8, strict=True):
         assert fb[0].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         prefixes.append(common_prefix(a[0], b[0]) / max(len(a[0]), 1))
     identical = sum(p == 1.0 for p in prefixes)
@@ -405,25 +441,34 @@ def test_int8_engine_greedy_agreement_with_the_full_precision_pool(int8_replies)
 
 @pytest.mark.model
 def test_prefix_sharing_forks_and_preemption_on_int8_blocks(int8_replies) -> None:
-    """They move block ids, never bytes: with them the 8-bit engine answers exactly as it
-    does without them (reused blocks hold the very bytes a recomputation would write)."""
+    """They move block ids, never bytes: with them the 8-bit engine answers as it does
+    without them, up to the reference's first near-tie (``NEAR_TIE``: a preempted chat's
+    recompute writes its bytes again, from K/V computed in another shape)."""
     prompts, _, (_, alone, _) = int8_replies
-    expected = [r[0][0] for r in alone]
-    # the same prompts again, with n=3 greedy forks, on a pool of 12 blocks: prefix hits
-    # (two copies of prompt 0), forks (copy-on-write of the partial prompt block) and
-    # preemption (the chats need about 30 blocks at their longest)
+    # the same prompts again, on a pool of 12 blocks: prefix hits (two copies of prompt 0),
+    # n=3 greedy forks (copy-on-write of the partial prompt block, prompt 2) and preemption
+    # (the chats need about 30 blocks at their longest). Prompts 0 and 2 have no near-tie in
+    # their 32 tokens, so every token of the hits and the forks must match.
+    assert [first_near_tie(alone[i][2][0]) for i in (0, 2)] == [len(alone[0][2][0]),
+                                                              len(alone[2][2][0])]
     jobs = [(prompts[0], GREEDY), (prompts[0], GREEDY),
-            (prompts[1], SamplingParams(temperature=0.0, max_tokens=32, n=3)),
-            (prompts[2], GREEDY), (prompts[3], GREEDY)]
+            (prompts[2], SamplingParams(temperature=0.0, max_tokens=32, n=3)),
+            (prompts[1], GREEDY), (prompts[3], GREEDY)]
     cfg = EngineConfig(kv_memory_mib=12 * INT8_BLOCK_BYTES / 2**20, max_batch=8,
                        kv_precision="int8")
     info, results, snap = run_engine(cfg, jobs)
     assert info.num_blocks == 12
     assert snap.counters.preemptions > 0 and snap.counters.prefix_cache_hits > 0
-    want = [expected[0], expected[0], expected[1], expected[2], expected[3]]
-    for i, ((tokens, finals), exp) in enumerate(zip(results, want, strict=True)):
+    reference = [alone[0], alone[0], alone[2], alone[1], alone[3]]
+    for i, ((tokens, finals, _), (ref_tokens, _, ref_logprobs)) in enumerate(
+            zip(results, reference, strict=True)):
+        expected, must_match = ref_tokens[0], first_near_tie(ref_logprobs[0])
+        tie_free = must_match == len(ref_logprobs[0])  # then the end-of-sequence must match too
         for index, drawn in tokens.items():
             assert finals[index].finish_reason is not FinishReason.ERROR, finals[index].error
-            assert drawn == exp, f"job {i} sample {index} changed on shared/forked/preempted blocks"
+            same = common_prefix(drawn, expected)
+            assert drawn == expected or (not tie_free and same >= must_match), (
+                f"job {i} sample {index} changed on shared/forked/preempted blocks at token "
+                f"{same}, before the reference's first near-tie (token {must_match})")
     assert len(results[2][0]) == 3
     assert snap.used_blocks == 0
