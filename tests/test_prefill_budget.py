@@ -122,3 +122,23 @@ def test_a_skipped_step_still_admits_a_new_prompt():
     assert works == {"chat": 1, "short": 20}  # the paste skips, the new chat starts
     assert paste.waiting_reason == WAIT_YIELD and short.state is SequenceState.PREFILLING
     assert paste.num_in_table == started
+
+
+def test_a_cold_start_does_not_read_a_slope_from_chunks_a_few_tokens_apart():
+    """The first chunks of a paste beside a streaming chat sit a few tokens apart, and their
+    costs are mostly the steps' noise. A line through them once read 3 ms per token of
+    context from contexts 17 and 20, and the paste then skipped every step it could (on a
+    loaded machine it never finished prefilling beside one chat). A flat line keeps it
+    advancing at the target."""
+    budget = PrefillBudget(max_chunk=256, min_chunk=8, target=2.0)
+    decode = 0.08
+    budget.observe(decode, decode_rows=1, prompt_tokens=0)
+    assert budget.budget(decoding=True, context=0) == 8  # cold: start small, learn
+    # two noisy chunks: 8 tokens at context ~4 cost 2 ms each, 8 at ~12 cost 6 ms each
+    budget.observe(decode + 8 * 0.002, decode_rows=1, prompt_tokens=8, prompt_context=4)
+    budget.observe(decode + 8 * 0.006, decode_rows=1, prompt_tokens=8, prompt_context=12)
+    assert budget.cost.line()[1] == 0.0
+    n = budget.budget(decoding=True, context=16)
+    assert not budget.holding and n >= 8
+    # what it admits fits the allowance at the mean cost it has seen
+    assert n == pytest.approx(decode / budget.cost.line()[0], abs=1)

@@ -84,6 +84,24 @@ def test_a_long_paste_takes_only_a_share_while_others_decode_and_all_of_it_alone
     check_invariants(sched.alloc, [s.table for s in sched.running.values()])
 
 
+def test_a_long_paste_beside_decoding_chats_takes_the_whole_adaptive_budget() -> None:
+    """The adaptive budget (engine/sched/prefill_budget.py) already keeps a step within its
+    time target for the chats that decode; the background share caps the paste at a share of
+    a full chunk, not of that budget (a share of 12 tokens was 3 tokens a step: beside one
+    streaming chat a 1,100-token prompt took minutes on the CPU)."""
+    sched = Scheduler(BlockAllocator(1024, 16), max_batch=8, prefill_chunk=256)
+    decoding(sched, "chat", Priority.INTERACTIVE)
+    paste = make_seq(list(range(LONG_PROMPT_TOKENS + 100)), "paste")
+    sched.add(paste)
+    taken = []
+    for budget in (12, 40, 200):
+        plan = sched.schedule(budget)
+        taken.append({w.seq.session_id: len(w.tokens) for w in plan.works}["paste"])
+        run(sched, plan)
+    assert taken == [12, 40, int(256 * BACKGROUND_SHARE)]
+    assert paste.waiting_reason == WAIT_YIELD  # capped by its share in the last step
+
+
 def test_background_prompts_yield_to_an_interactive_chat_but_not_to_each_other() -> None:
     budget = 64
     sched = Scheduler(BlockAllocator(256, 16), max_batch=8, prefill_chunk=budget)

@@ -22,6 +22,11 @@ DECAY = 0.7
 MIN_PROMPT_TOKENS = 8
 #: A prompt too costly for one step's allowance runs at least once every this many steps.
 MAX_SKIPPED_STEPS = 4
+#: The spread of contexts (their weighted standard deviation, in tokens) under which the cost
+#: line stays flat: a slope read from chunks a few tokens apart is the steps' noise (a cold
+#: start fitted 3 ms per token of context from contexts 17 and 20, and the paste then skipped
+#: every step it could).
+MIN_CONTEXT_SPREAD = 64.0
 
 
 class PrefillBudget:
@@ -100,10 +105,11 @@ class TokenCost:
 
     def line(self) -> tuple[float, float]:
         """(a, b): the cost of a token at context 0 and what each token of context adds
-        (b >= 0; a flat line while the contexts seen are all alike)."""
+        (b >= 0; a flat line, the recent mean, while the contexts seen lie within
+        ``MIN_CONTEXT_SPREAD`` of each other)."""
         mx_, my = self._x / self._w, self._y / self._w
         var = self._xx / self._w - mx_ * mx_
-        b = (self._xy / self._w - mx_ * my) / var if var > 1e-6 * (1.0 + mx_ * mx_) else 0.0
+        b = (self._xy / self._w - mx_ * my) / var if var > MIN_CONTEXT_SPREAD**2 else 0.0
         b = max(b, 0.0)
         return max(my - b * mx_, 1e-9), b
 

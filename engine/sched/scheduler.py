@@ -42,8 +42,12 @@ from engine.sched.work import SequenceWork
 #: A prompt with more tokens than this still to read is a long paste: while other chats run,
 #: it advances as background work, whatever its chat's priority.
 LONG_PROMPT_TOKENS = 1024
-#: The share of a step's prompt budget that background work (and a long paste) takes while a
-#: chat of higher priority runs: small enough to keep that chat streaming, never zero.
+#: The share of a full prompt chunk (``prefill_chunk``) that background work (and a long
+#: paste) takes at most per step while a chat of higher priority runs: small enough to leave
+#: room for that chat's prompt, never zero. A share of the chunk, not of the step's budget:
+#: the adaptive budget (engine/sched/prefill_budget.py) already keeps the step within its
+#: time target for the chats that decode, and a share of it on top starved the paste (2-3
+#: tokens a step beside one streaming chat on the CPU).
 BACKGROUND_SHARE = 0.25
 
 WAIT_BATCH = "waiting: the batch is full"
@@ -132,7 +136,8 @@ class Scheduler:
         one still advances every step), and running prompts continue highest priority, then
         shortest-remaining first: a short chat arriving during a long paste gets its first
         token after a few steps, not after the whole paste. Background work and long pastes
-        take at most ``BACKGROUND_SHARE`` of the budget while a chat of higher priority runs.
+        take at most ``BACKGROUND_SHARE`` of a full chunk (and never more than the step's
+        budget) while a chat of higher priority runs.
         """
         self.steps += 1
         plan = StepPlan()
@@ -148,7 +153,7 @@ class Scheduler:
                 self._reserve(seq, 1, plan)
                 scheduled.add(seq.seq_id)
 
-        share = max(1, int(budget * BACKGROUND_SHARE))
+        share = max(1, int(self.prefill_chunk * BACKGROUND_SHARE))
         mid_prompt = any(s.num_to_feed >= 2 for s in self.running.values())
         # Only a prompt to read can yield: a step of decodes alone needs no ranking.
         urgent = self._most_urgent() if mid_prompt or self.waiting else None
