@@ -261,8 +261,7 @@ class McpClient:
             loop, self._loop = self._loop, None
             thread, self._thread = self._thread, None
         if loop is not None:
-            for task in asyncio.all_tasks(loop) if loop.is_running() else ():
-                loop.call_soon_threadsafe(task.cancel)
+            # Only the loop's own thread may walk its tasks: it cancels them once stopped.
             loop.call_soon_threadsafe(loop.stop)
         if thread is not None:
             thread.join(timeout=5)
@@ -283,6 +282,12 @@ class McpClient:
                     asyncio.set_event_loop(loop)
                     loop.call_soon(ready.set)
                     loop.run_forever()
+                    # stopped by close(): operations in flight are cancelled and let unwind
+                    # (their servers' processes are ended by their context managers)
+                    pending = asyncio.all_tasks(loop)
+                    for task in pending:
+                        task.cancel()
+                    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
                     loop.close()
 
                 self._thread = threading.Thread(target=serve, name="mcp-client", daemon=True)
