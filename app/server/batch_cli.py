@@ -16,6 +16,7 @@ import sys
 import uuid
 
 from app.server.batch import BatchInputError, BatchJob, LineError, OutputFile, read_input
+from app.server.engine_args import add_engine_args, engine_config
 
 MAX_ERRORS_SHOWN = 20
 EXIT_BAD_INPUT = 2
@@ -35,13 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the output file (created, or resumed if it holds part of the results)")
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="run the valid lines even when some are invalid (they are listed)")
-    p.add_argument("--model", metavar="SPEC", default="default",
-                   help="'default' (embedded SmolLM2), a local mlx-lm folder or a Hugging Face "
-                   "repo id")
-    p.add_argument("--kv-memory-mib", type=float, default=256.0, metavar="MIB",
-                   help="KV pool budget (default 256)")
-    p.add_argument("--max-batch", type=int, default=16,
-                   help="most sequences decoded in one step (default 16)")
+    add_engine_args(p)
     p.add_argument("--concurrency", type=int, default=None, metavar="N",
                    help="requests handed to the engine at once (default: twice --max-batch, "
                    "so the batch stays full while finished requests are written)")
@@ -89,11 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from app.server.batch import check_models
-    from engine import Engine, EngineConfig
+    from engine import Engine
 
     try:
-        config = EngineConfig(model=args.model, kv_memory_mib=args.kv_memory_mib,
-                              max_batch=args.max_batch)
+        config = engine_config(args)
     except ValueError as exc:
         _say(f"pagedchat batch: {exc}")
         return EXIT_BAD_INPUT

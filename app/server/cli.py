@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from app.server.batches import default_files_dir
+from app.server.engine_args import add_engine_args, engine_config
 from app.server.keys import ENV_VAR, KeyUnavailable, resolve_key
 from app.server.routes import (
     DEFAULT_MAX_CONCURRENT,
@@ -37,13 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default 8080)")
     p.add_argument("--allow-remote", action="store_true",
                    help="needed to listen on an address other than loopback")
-    p.add_argument("--model", metavar="SPEC", default="default",
-                   help="'default' (embedded SmolLM2), a local mlx-lm folder or a Hugging Face "
-                   "repo id")
-    p.add_argument("--kv-memory-mib", type=float, default=256.0, metavar="MIB",
-                   help="KV pool budget (default 256)")
-    p.add_argument("--max-batch", type=int, default=16,
-                   help="most sequences decoded in one step (default 16)")
+    add_engine_args(p)
     p.add_argument("--api-key", metavar="KEY",
                    help=f"the bearer key clients must send (else ${ENV_VAR}, else the key kept "
                    "in the OS keychain, generated on first run)")
@@ -91,13 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from app.core import openblas
     from app.core.model_names import model_id
-    from engine import Engine, EngineConfig
+    from engine import Engine
 
     blas = openblas.state()  # loaded by app.main before MLX; says so when it could not
 
     try:
-        config = EngineConfig(model=args.model, kv_memory_mib=args.kv_memory_mib,
-                              max_batch=args.max_batch)
+        config = engine_config(args)
     except ValueError as exc:
         _say(f"pagedchat serve: {exc}", err=True)
         return 2
