@@ -19,8 +19,10 @@ sequence left waiting carries the reason, for the monitor.
 
 It is the only user of the allocator besides the snapshot's read-only view: it also forks
 the samples of an n > 1 request in the step that ends their shared prompt (the plan's
-``forks``: the runner samples them from that prompt's logits), and frees a finished
-sequence's blocks when the runner hands it back after the step (:meth:`remove`).
+``forks``: the runner samples them from that prompt's logits), forks and prunes the beams
+of a beam search once its group has decided a step (:meth:`advance_beams`; a beam search
+is preempted whole), and frees a finished sequence's blocks when the runner hands it back
+after the step (:meth:`remove`).
 
 The queues are dicts keyed by ``seq_id``, in order (admission order for ``running``, queue
 order for ``waiting``): membership and removal cost the same at 64 sequences as at 2.
@@ -36,6 +38,7 @@ from engine.config import Priority
 from engine.events import SequenceState
 from engine.kv.block_table import PENDING, BlockTable
 from engine.kv.blocks import BlockAllocator
+from engine.sched.beams import BeamGroup, BeamStep
 from engine.sched.sequence import Sequence
 from engine.sched.work import SequenceWork
 
@@ -189,7 +192,7 @@ class Scheduler:
         They join ``running`` in the order the step's batch lays out its logits (one-token
         works first, engine/runner/step_batch.py), as when the runner forked them."""
         ending = [w for w in plan.works if w.want_logits and not w.seq.request.forked
-                  and w.seq.request.params.n > 1]
+                  and w.seq.request.params.n > 1 and w.seq.request.beams is None]
         for work in sorted(ending, key=lambda w: len(w.tokens) != 1):
             seq, request = work.seq, work.seq.request
             request.forked = True
@@ -205,6 +208,55 @@ class Scheduler:
                 sibling.admitted_at = seq.admitted_at
                 self.running[sibling.seq_id] = sibling
                 forks.append(sibling)
+
+    def advance_beams(self, group: BeamGroup, step: BeamStep) -> list[Sequence]:
+        """Place a beam search's decided continuations on its sequences, through the
+        allocator: a beam no continuation extends is pruned first (its table freed at once:
+        private blocks back to the pool, shared ones dereferenced); each parent's best
+        continuation goes on in the parent's own sequence; every further one takes a free
+        sequence of the request, forked from the parent (its table copied, each block's
+        refcount + 1). Nothing is copied here: the next step's append copies a shared
+        partial block on write, once for each extra child. Returns the new live beams, best
+        first, each holding its continuation's token (to be fed next step)."""
+        extended = {id(c.parent) for c in step.continuations}
+        for beam in group.live:
+            if id(beam) not in extended:
+                self._vacate(beam)
+        live = {id(s) for s in group.live}
+        spare = [s for s in group.request.sequences
+                 if id(s) not in live or id(s) not in extended]
+        placed: list[tuple[Sequence, Sequence, int]] = []  # (sequence, parent, token)
+        going_on: set[int] = set()
+        for c in step.continuations:
+            if id(c.parent) in going_on:
+                placed.append((spare.pop(0), c.parent, c.token))
+            else:
+                going_on.add(id(c.parent))
+                placed.append((c.parent, c.parent, c.token))
+        for seq, parent, token in placed:  # forks first: they copy the parent as it was
+            if seq is not parent:
+                seq.tokens = [*parent.tokens, token]
+                seq.table = self.alloc.fork(parent.table)
+                seq.state = SequenceState.DECODING
+                seq.admitted_at = parent.admitted_at
+                seq.waiting_reason = ""
+                self.running[seq.seq_id] = seq
+        for seq, parent, token in placed:
+            if seq is parent:
+                seq.tokens.append(token)
+        group.advanced([(seq, c.logprob) for (seq, _, _), c in zip(placed, step.continuations)])
+        return [seq for seq, _, _ in placed]
+
+    def _vacate(self, seq: Sequence) -> None:
+        """A pruned beam: out of the queues, its blocks released now; its sequence waits,
+        empty, to carry a later fork of the same search."""
+        self.running.pop(seq.seq_id, None)
+        self.waiting.pop(seq.seq_id, None)
+        if seq.table is not None:
+            self.alloc.free(seq.table)
+            seq.table = None
+        seq.state = SequenceState.WAITING
+        seq.waiting_reason = ""
 
     def set_priority(self, session_id: str, priority: Priority) -> None:
         """Every live request of ``session_id`` (running or waiting) takes ``priority``."""
@@ -346,12 +398,33 @@ class Scheduler:
                 del self.running[seq.seq_id]
                 plan.failed.append((seq, self._too_long_message(len(seq.tokens) + n)))
                 return False
+            request = seq.request
+            if request.beams is not None and all(s.request is request
+                                                 for s in self.running.values()):
+                # the beam search is all that runs and still does not fit: it never will
+                for beam in [s for s in self.running.values()]:
+                    del self.running[beam.seq_id]
+                plan.works = [w for w in plan.works if w.seq.request is not request]
+                plan.failed.append((seq, self._too_long_message(len(seq.tokens) + n)))
+                return False
             self._preempt(victim, plan)
-            if victim is seq:
+            if seq.table is None:  # preempted itself (or with its beam search)
                 return False
         return True
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Preempt ``seq``, and with a beam every live beam of its search: the beams step
+        together, so one left behind would hold the others' blocks idle."""
+        group = seq.request.beams
+        if group is None:
+            self._preempt_one(seq, plan)
+            return
+        for beam in group.live:
+            if beam.seq_id in self.running:
+                self._preempt_one(beam, plan)
+        group.preempted()
+
+    def _preempt_one(self, seq: Sequence, plan: StepPlan) -> None:
         del self.running[seq.seq_id]
         # Its reservations of this step, if any, go too: their slots are about to be freed.
         plan.works = [w for w in plan.works if w.seq is not seq]
