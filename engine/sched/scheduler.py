@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from engine.config import Priority
 from engine.events import SequenceState
-from engine.kv.block_table import PENDING, BlockTable
+from engine.kv.block_table import PENDING, BlockTable, chain_hash
 from engine.kv.blocks import BlockAllocator
 from engine.sched.beams import BeamGroup, BeamStep
 from engine.sched.sequence import Sequence
@@ -297,12 +297,22 @@ class Scheduler:
                                                     s.state is not SequenceState.PREEMPTED,
                                                     s.length))
         blocked = ""  # once set, nothing later in the order is admitted this step
+        # A beam search preempted in this step freed more than the step needed: taken back
+        # at once, its beams would recompute only to be preempted again.
+        just_preempted = {s.seq_id for s in plan.preempted if s.request.beams is not None}
         for seq in order:
+            if seq.seq_id in just_preempted:
+                self._wait(seq, WAIT_POOL)
+                continue
             if not blocked and used >= budget:
                 blocked = WAIT_BUDGET
             if not blocked and len(self.running) >= self.max_batch:
                 blocked = WAIT_BATCH
             if blocked:
+                self._wait(seq, blocked)
+                continue
+            if seq.state is SequenceState.PREEMPTED and not self._beams_fit(seq):
+                blocked = WAIT_POOL
                 self._wait(seq, blocked)
                 continue
             if seq.length > self.capacity_tokens - 1:
@@ -337,6 +347,34 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             used += n
         return used
+
+    def _beams_fit(self, seq: Sequence) -> bool:
+        """A preempted beam search comes back whole: its beams step together, so beams
+        taken back while the pool cannot hold their siblings would only sit on their blocks.
+        True unless ``seq`` is a beam whose waiting siblings (and itself) need more blocks
+        than are available: their distinct full blocks not held by anyone (beams share
+        their common blocks again through the prefix cache) plus one partial block each."""
+        group = seq.request.beams
+        if group is None:
+            return True
+        waiting = [s for s in group.live if s.seq_id in self.waiting]
+        if len(waiting) + len(self.running) > self.max_batch:
+            return False
+        bs = self.alloc.block_size
+        seen: set[int] = set()
+        needed = 0
+        for beam in waiting:
+            parent = None
+            for i in range(len(beam.tokens) // bs):
+                parent = chain_hash(parent, beam.tokens[i * bs : (i + 1) * bs])
+                if parent in seen:
+                    continue
+                seen.add(parent)
+                block = self.alloc.prefix_index.block_for(parent)
+                if block is None or not self.alloc.refcount(block):
+                    needed += 1
+            needed += 1 if len(beam.tokens) % bs else 0
+        return needed <= self.alloc.num_available
 
     @staticmethod
     def _wait(seq: Sequence, reason: str) -> None:
