@@ -285,14 +285,14 @@ class SamplingParams:
         if self.n > k:
             raise ValueError(f"n must be at most beam_width with beam search: the {k} beams "
                              f"give at most {k} replies, got n={self.n}")
-        why = f"beam search (beam_width {k}) is deterministic and ranks by the model's own " \
-              "log-probabilities"
         neutral = {"temperature": (0.0, "0"), "top_p": (1.0, "1"), "top_k": (0, "0"),
                    "min_p": (0.0, "0"), "repetition_penalty": (1.0, "1")}
         for name, (value, text) in neutral.items():
             if getattr(self, name) != value:
-                raise ValueError(f"{name} must be {text} with {why}, got "
-                                 f"{getattr(self, name)!r}; set beam_width to 1 to sample")
+                raise ValueError(
+                    f"{name} must be {text} with beam search (beam_width {k}), which is "
+                    "deterministic and ranks by the model's own log-probabilities, got "
+                    f"{getattr(self, name)!r}; set beam_width to 1 to sample")
         for name, value in (("seed", self.seed), ("constraint", self.constraint),
                             ("logprobs", self.logprobs)):
             if value is not None:

@@ -1,23 +1,18 @@
 """Beam search in the engine (docs/ARCHITECTURE.md §3.12), on the real embedded model.
 
-The replies and their scores are compared with a straightforward beam search written here on
-mlx-lm's own model and KV cache (a copied cache per beam, nothing shared), following Hugging
-Face's ``_beam_search`` (transformers 5.x): the ``2k`` best continuations of all beams, the
-finished ones among the first ``k`` kept as hypotheses scored ``sum of log-probabilities /
-generated length ** length_penalty``, the ``k`` best unfinished ones going on, and HF's
-stopping rules. Memory is read from the engine's snapshots, one per step (a hook on the
-engine thread's step), and the allocator's invariants are checked after every step of the
-preemption test.
+The replies and their scores are compared with a straightforward beam search on mlx-lm's own
+model and KV cache (a copied cache per beam, nothing shared: tests/reference.py
+``reference_beam_search``), following Hugging Face's ``_beam_search`` (transformers 5.x).
+Memory is read from the engine's snapshots, one per step (a hook on the engine thread's
+step), and the allocator's invariants are checked after every step of the pruning and
+preemption tests.
 """
 
 from __future__ import annotations
 
 import math
 
-import mlx.core as mx
-import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine import Engine, EngineConfig, FinishReason, SamplingParams, SequenceState
 from engine.kv.invariants import check_invariants
@@ -25,6 +20,7 @@ from tests.reference import (
     chat_prompt,
     collect,
     greedy_reference,
+    reference_beam_search,
     reference_model,
     session_blocks,
     wait_until,
@@ -52,68 +48,6 @@ def engine():
     assert eng.wait_ready(600), eng.load_error
     yield eng
     eng.stop()
-
-
-# ---- the reference: mlx-lm's cache, one copy per beam ----------------------------------------
-
-
-def _copied(cache: list[KVCache]) -> list[KVCache]:
-    """A beam's own cache: every layer's keys and values up to its offset, as new arrays."""
-    out = []
-    for layer in cache:
-        copy = KVCache()
-        copy.keys = layer.keys[..., : layer.offset, :]
-        copy.values = layer.values[..., : layer.offset, :]
-        copy.offset = layer.offset
-        out.append(copy)
-    return out
-
-
-def _logprobs(logits: mx.array) -> np.ndarray:
-    x = logits.astype(mx.float32)
-    return np.array(x - mx.logsumexp(x, axis=-1, keepdims=True))
-
-
-def reference_beam_search(prompt: list[int], params: SamplingParams
-                          ) -> list[tuple[list[int], float]]:
-    """The ``n`` best (tokens, score) of HF's beam search, on mlx-lm's model and cache."""
-    ref = reference_model()
-    model, eos = ref.model, set(ref.tokenizer.eos_token_ids)
-    k, lp_exp = params.beam_width, params.length_penalty
-    keep = max(2, 1 + len(eos)) * k
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=cache)[0, -1]
-    # live beams, best first: (summed log-probability, generated tokens, cache, next logits)
-    live = [(0.0, [], cache, logits)]
-    finished: list[tuple[float, list[int]]] = []  # (score, tokens), best first
-    for generated in range(1, params.max_tokens + 1):
-        candidates = []
-        for rank, (total, _, _, logits) in enumerate(live):
-            lp = _logprobs(logits)
-            for token in np.argsort(-lp, kind="stable")[:keep]:
-                candidates.append((total + float(lp[token]), rank, int(token)))
-        candidates.sort(key=lambda c: (-c[0], c[1]))
-        candidates = candidates[:keep]
-        at_limit = generated == params.max_tokens
-        for total, rank, token in candidates[:k]:
-            if at_limit or token in eos:
-                finished.append((total / generated ** lp_exp, live[rank][1] + [token]))
-        finished = sorted(finished, key=lambda h: -h[0])[:k]
-        going_on = [c for c in candidates if not (at_limit or c[2] in eos)][:k]
-        if at_limit:
-            break
-        longest = (params.max_tokens if params.early_stopping == "never" and lp_exp > 0
-                   else generated)
-        if len(finished) == k and (going_on[0][0] / longest ** lp_exp <= finished[-1][0]
-                                   or params.early_stopping is True):
-            break
-        next_live = []
-        for total, rank, token in going_on:
-            own = _copied(live[rank][2])
-            logits = model(mx.array([[token]]), cache=own)[0, -1]
-            next_live.append((total, live[rank][1] + [token], own, logits))
-        live = next_live
-    return [(tokens, score) for score, tokens in finished[: params.n]]
 
 
 def assert_equals_reference(engine: Engine, prompt: list[int], params: SamplingParams,
