@@ -29,6 +29,12 @@ unread when the engine stops. A failing forward is retried one sequence at a tim
 only the culprits fail (``_isolate`` and ``_rerun`` share ``_run_alone``); an exception
 while handling one sequence (sampling, accepting its token) fails that sequence only.
 Nothing here touches the allocator: forks, commits and frees go through the scheduler.
+
+A beam search's rows are not sampled: their best next tokens are found on the device
+(engine/runner/beams.py) and read with the step; once a search's every live beam has
+reported, its group decides and the scheduler forks and prunes the beams
+(``_step_beams``, docs/ARCHITECTURE.md §3.12). A step holding beam rows is read before the
+next one is scheduled, as a constrained row's is (``Launched.synchronous``).
 """
 
 from __future__ import annotations
