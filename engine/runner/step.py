@@ -193,10 +193,10 @@ class StepRunner:
         beam_owners: list[int] = []
         for i, owner in enumerate(batch.logit_owners):
             fanout[owner] = plan.fanout(plan.works[owner])
-            beam = plan.works[owner].seq
-            if beam.request.beams is not None:  # ranked by the group, not sampled
+            seq = plan.works[owner].seq
+            if seq.request.beams is not None:  # a beam: ranked by its group, not sampled
                 beam_owners.append(i)
-                beam_seqs.append(beam)
+                beam_seqs.append(seq)
                 continue
             for s, row in self._prepare(fanout[owner]):
                 owners.append(i)

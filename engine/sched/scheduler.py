@@ -355,8 +355,8 @@ class Scheduler:
         than are available: their distinct full blocks not held by anyone (beams share
         their common blocks again through the prefix cache) plus one partial block each."""
         group = seq.request.beams
-        if group is None:
-            return True
+        if group is None or all(s.request is seq.request for s in self.running.values()):
+            return True  # nothing else holds blocks: it fits now or never (_make_room says)
         waiting = [s for s in group.live if s.seq_id in self.waiting]
         if len(waiting) + len(self.running) > self.max_batch:
             return False
