@@ -298,3 +298,91 @@ def test_the_engine_refuses_more_beams_than_its_batch(engine: Engine) -> None:
     assert SamplingParams(beam_width=1, temperature=0.7).num_sequences == 1
     with pytest.raises(ValueError, match="max_batch"):
         Engine(EngineConfig(max_batch=2)).submit(prompt_tokens=[1, 2], params=beams(3, 4))
+
+
+# ---- without a model: the group's decisions and the scheduler's forks ------------------------
+
+
+def _beam_request(prompt: list[int], width: int, max_tokens: int = 8, **extra):
+    from engine.sched.beams import BeamGroup
+    from engine.sched.sequence import Request, Sequence
+
+    params = beams(width, max_tokens, **extra)
+    request = Request("r-beams", "beams", params, list(prompt), handle=None)
+    for index in range(width):
+        request.sequences.append(Sequence(request=request, index=index, tokens=list(prompt),
+                                          num_prompt=len(prompt), key=None, detokenizer=None))
+    request.beams = BeamGroup(request)
+    request.beams.start(request.sequences[0])
+    return request
+
+
+def _run(sched, plan) -> None:
+    sched.commit(plan)
+
+
+def test_forks_share_every_block_and_pruned_beams_give_theirs_back_at_once() -> None:
+    from engine.kv.blocks import BlockAllocator
+    from engine.sched.scheduler import Scheduler
+
+    eos = {0}
+    alloc = BlockAllocator(32, 4)
+    sched = Scheduler(alloc, max_batch=8, prefill_chunk=64)
+    request = _beam_request([5, 6, 7, 8, 9, 10], width=2)  # a full block and a partial one
+    group = request.beams
+    first = request.sequences[0]
+    sched.add(first)
+    _run(sched, sched.schedule())
+    # the prompt's row: 11 then 12 are its best tokens; both continuations go on
+    assert group.report(first, [(11, -0.1), (12, -0.5), (13, -3.0), (14, -4.0)])
+    step = group.select(eos, max_context=100)
+    assert not step.done and [(c.token, c.logprob) for c in step.continuations] == [
+        (11, -0.1), (12, -0.5)]
+    a, b = sched.advance_beams(group, step)
+    assert a is first and b is request.sequences[1]
+    assert a.table.blocks == b.table.blocks and all(alloc.refcount(x) == 2 for x in a.table.blocks)
+    assert (a.tokens[-1], b.tokens[-1]) == (11, 12)
+    plan = sched.schedule()  # both extend the shared partial block: one copy, not two
+    assert len(plan.copies) == 1
+    _run(sched, plan)
+    check_invariants(alloc, [a.table, b.table])
+    private = a.table.blocks[-1]
+    # next step: both best continuations come from b; a is pruned, its private block freed
+    assert group.report(a, [(20, -5.0), (21, -6.0), (22, -7.0), (23, -8.0)]) is False
+    assert group.report(b, [(30, -0.2), (31, -0.3), (32, -4.0), (33, -5.0)])
+    step = group.select(eos, max_context=100)
+    assert [c.parent for c in step.continuations] == [b, b]
+    used = sum(alloc.refcount(x) > 0 for x in range(32))
+    placed = sched.advance_beams(group, step)
+    assert placed == [b, a] and alloc.refcount(private) == 0
+    assert sum(alloc.refcount(x) > 0 for x in range(32)) == used - 1
+    assert a.tokens[-2:] == [12, 31] and b.tokens[-2:] == [12, 30]
+    check_invariants(alloc, [a.table, b.table])
+    assert group.scores == {b.seq_id: pytest.approx(-0.7), a.seq_id: pytest.approx(-0.8)}
+
+
+def test_the_group_keeps_finished_hypotheses_and_stops_like_hf() -> None:
+    from engine.kv.blocks import BlockAllocator
+    from engine.sched.scheduler import Scheduler
+
+    eos = {0}
+    sched = Scheduler(BlockAllocator(32, 4), max_batch=8, prefill_chunk=64)
+    request = _beam_request([5, 6, 7], width=2, max_tokens=3, early_stopping=True)
+    group = request.beams
+    first = request.sequences[0]
+    sched.add(first)
+    _run(sched, sched.schedule())
+    # EOS ranks first: a hypothesis of one token; the next two go on
+    group.report(first, [(0, -0.1), (11, -0.2), (12, -0.3), (13, -2.0)])
+    step = group.select(eos, max_context=100)
+    assert [h.tokens for h in group.finished] == [(0,)]
+    assert group.finished[0].score == pytest.approx(-0.1) and group.finished[0].ended
+    a, b = sched.advance_beams(group, step)
+    _run(sched, sched.schedule())
+    # an EOS outside the first k candidates is not a hypothesis
+    group.report(a, [(14, -0.1), (15, -0.2), (0, -9.0), (16, -9.5)])
+    group.report(b, [(0, -0.05), (17, -3.0), (18, -4.0), (19, -5.0)])
+    step = group.select(eos, max_context=100)
+    # b's EOS (-0.3 - 0.05, over 2 tokens) fills the k hypotheses: True stops there
+    assert step.done and [h.tokens for h in group.finished] == [(0,), (12, 0)]
+    assert group.finished[1].score == pytest.approx(-0.35 / 2)
