@@ -7,6 +7,7 @@ from engine.config import (
     BLOCK_SIZES,
     DEFAULT_REPETITION_CONTEXT,
     KV_PRECISIONS,
+    MAX_BEAM_WIDTH,
     REPO_ID_PATTERN,
     Constraint,
     EngineConfig,
@@ -41,6 +42,7 @@ from engine.runner.architecture import PROVEN_ARCHITECTURES
 __all__ = [
     "BLOCK_SIZES",
     "KV_PRECISIONS",
+    "MAX_BEAM_WIDTH",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_REPETITION_CONTEXT",
     "PROVEN_ARCHITECTURES",

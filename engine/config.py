@@ -117,6 +117,13 @@ class EngineConfig:
 #: mx.random.key takes an unsigned 64-bit seed.
 SEED_RANGE = (0, 2**64 - 1)
 MAX_SAMPLES = 8
+#: The widest beam search (``SamplingParams.beam_width``): the beams decode side by side in
+#: one batch, so the engine's ``max_batch`` also bounds it (checked at submit).
+MAX_BEAM_WIDTH = 8
+#: HF's ``early_stopping`` values: True stops once ``beam_width`` hypotheses are finished,
+#: False (the default) when the heuristic says no live beam can beat the worst finished one,
+#: "never" when that is certain (engine/sched/beams.py).
+EARLY_STOPPING = (True, False, "never")
 #: The most alternatives a token's log-probabilities list (OpenAI's ``top_logprobs`` limit).
 MAX_TOP_LOGPROBS = 20
 #: Far above any model's context, but a bound: an int this large is a typo, not a wish.
@@ -220,6 +227,16 @@ class SamplingParams:
     constraint: Constraint | None = None
     #: Report each token's log-probability and this many alternatives (None: none).
     logprobs: int | None = None
+    #: Beam search over this many beams (1: off, the usual sampling or greedy decoding).
+    #: Above 1 the reply is the ``n`` best finished hypotheses, ranked by
+    #: ``sum of log-probabilities / generated length ** length_penalty`` (Hugging Face's
+    #: convention), and ends with them: no token streams before (docs/ARCHITECTURE.md §3.12).
+    beam_width: int = 1
+    #: The exponent of the length in a hypothesis's score (beam search only): above 0
+    #: favours longer replies, below 0 shorter ones, 0 ranks by the summed log-probability.
+    length_penalty: float = 1.0
+    #: When beam search stops (``EARLY_STOPPING``): True, False or "never", as in HF.
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -248,10 +265,56 @@ class SamplingParams:
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise ValueError("constraint must be None or a Constraint, got "
                              f"{type(self.constraint).__name__}")
+        put(self, "beam_width", _integer("beam_width", self.beam_width, 1, MAX_BEAM_WIDTH,
+                                         f"an integer in [1, {MAX_BEAM_WIDTH}] (1 turns beam "
+                                         "search off)"))
+        put(self, "length_penalty", _real("length_penalty", self.length_penalty,
+                                          "a finite number", lambda v: True))
+        if not any(self.early_stopping is v or (isinstance(v, str) and self.early_stopping == v)
+                   for v in EARLY_STOPPING):
+            raise ValueError("early_stopping must be true, false or \"never\", got "
+                             f"{self.early_stopping!r}")
+        if self.beam_width > 1:
+            self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        """Beam search keeps the most likely continuations of the model's own distribution,
+        so whatever would sample, reshape or hold that distribution makes no sense with it:
+        each such field is refused by name, with what to send instead."""
+        k = self.beam_width
+        if self.n > k:
+            raise ValueError(f"n must be at most beam_width with beam search: the {k} beams "
+                             f"give at most {k} replies, got n={self.n}")
+        neutral = {"temperature": (0.0, "0"), "top_p": (1.0, "1"), "top_k": (0, "0"),
+                   "min_p": (0.0, "0"), "repetition_penalty": (1.0, "1")}
+        for name, (value, text) in neutral.items():
+            if getattr(self, name) != value:
+                raise ValueError(
+                    f"{name} must be {text} with beam search (beam_width {k}), which is "
+                    "deterministic and ranks by the model's own log-probabilities, got "
+                    f"{getattr(self, name)!r}; set beam_width to 1 to sample")
+        for name, value in (("seed", self.seed), ("constraint", self.constraint),
+                            ("logprobs", self.logprobs)):
+            if value is not None:
+                raise ValueError(f"{name} is not supported with beam search (beam_width "
+                                 f"{k}): leave it out, or set beam_width to 1")
+        if self.stop:
+            raise ValueError(f"stop is not supported with beam search (beam_width {k}): the "
+                             "beams end at the end-of-sequence token or max_tokens")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def beam_search(self) -> bool:
+        """Beam search is on (more than one beam)."""
+        return self.beam_width > 1
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for the request: the beams, else one per sample."""
+        return self.beam_width if self.beam_search else self.n
 
 
 def _real(name: str, value: object, allowed: str, ok) -> float:

@@ -140,9 +140,16 @@ class Engine:
         params = checked_params(params)
         priority = checked_priority(priority)
         check_ids(session_id, request_id)
+        if params.beam_width > self.config.max_batch:
+            raise ValueError(f"beam_width must be at most the engine's max_batch "
+                             f"({self.config.max_batch}): the beams decode side by side in one "
+                             f"batch, got {params.beam_width}")
         runtime = self.runtime
         if runtime is not None:
             check_top_k(params, vocab_size(runtime.loaded.tokenizer))
+            if params.beam_search and not runtime.model_info.paged:
+                raise ValueError("beam search needs the paged KV pool, and this model runs on "
+                                 "mlx-lm's own cache: set beam_width to 1")
             if params.constraint is not None:  # a grammar the compiler refuses: refused here
                 grammars_for(runtime.loaded.tokenizer).check(params.constraint)
         with self._lock:

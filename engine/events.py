@@ -91,6 +91,8 @@ class FinalEvent:
     error: why it failed (finish_reason ``error`` only).
     detail: why a normal stop happened where the reason alone does not say it, for the
         user (e.g. ``length`` because the reply filled the KV pool, not max_tokens).
+    score: a beam search's hypothesis score (summed log-probability / generated length **
+        length_penalty; index 0 is the best); None for sampled and greedy replies.
     """
 
     request_id: str
@@ -101,6 +103,7 @@ class FinalEvent:
     usage: Usage
     error: str | None = None
     detail: str | None = None
+    score: float | None = None
 
 
 Event = TokenEvent | FinalEvent

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 from mlx_lm import stream_generate
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from engine import Engine, FinalEvent, TokenEvent
@@ -113,6 +113,70 @@ def sampled_reference(prompt: list[int], params: SamplingParams, index: int,
         history.append(token)
         logits = ref.model(mx.array([[token]]), cache=cache)[0, -1]
     return expected
+
+
+def _copied(cache: list[KVCache]) -> list[KVCache]:
+    """A beam's own cache: every layer's keys and values up to its offset, as new arrays."""
+    out = []
+    for layer in cache:
+        copy = KVCache()
+        copy.keys = layer.keys[..., : layer.offset, :]
+        copy.values = layer.values[..., : layer.offset, :]
+        copy.offset = layer.offset
+        out.append(copy)
+    return out
+
+
+def _logprobs(logits: mx.array) -> np.ndarray:
+    x = logits.astype(mx.float32)
+    return np.array(x - mx.logsumexp(x, axis=-1, keepdims=True))
+
+
+def reference_beam_search(prompt: list[int], params: SamplingParams
+                          ) -> list[tuple[list[int], float]]:
+    """The ``n`` best (tokens, score) of a beam search on mlx-lm's model, written plainly:
+    every beam its own copy of mlx-lm's KV cache (nothing shared), following Hugging Face's
+    ``_beam_search`` (transformers 5.x): the ``2k`` best continuations of all beams (summed
+    log-probabilities), those among the first ``k`` that end (EOS, or ``max_tokens``) kept
+    as hypotheses scored ``sum / generated length ** length_penalty``, the ``k`` best that
+    do not end going on, and HF's stopping rules (``early_stopping`` True, False, "never")."""
+    ref = reference_model()
+    model, eos = ref.model, set(ref.tokenizer.eos_token_ids)
+    k, lp_exp = params.beam_width, params.length_penalty
+    keep = max(2, 1 + len(eos)) * k
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[0, -1]
+    # live beams, best first: (summed log-probability, generated tokens, cache, next logits)
+    live = [(0.0, [], cache, logits)]
+    finished: list[tuple[float, list[int]]] = []  # (score, tokens), best first
+    for generated in range(1, params.max_tokens + 1):
+        candidates = []
+        for rank, (total, _, _, logits) in enumerate(live):
+            lp = _logprobs(logits)
+            for token in np.argsort(-lp, kind="stable")[:keep]:
+                candidates.append((total + float(lp[token]), rank, int(token)))
+        candidates.sort(key=lambda c: (-c[0], c[1]))
+        candidates = candidates[:keep]
+        at_limit = generated == params.max_tokens
+        for total, rank, token in candidates[:k]:
+            if at_limit or token in eos:
+                finished.append((total / generated ** lp_exp, live[rank][1] + [token]))
+        finished = sorted(finished, key=lambda h: -h[0])[:k]
+        going_on = [c for c in candidates if not (at_limit or c[2] in eos)][:k]
+        if at_limit:
+            break
+        longest = (params.max_tokens if params.early_stopping == "never" and lp_exp > 0
+                   else generated)
+        if len(finished) == k and (going_on[0][0] / longest ** lp_exp <= finished[-1][0]
+                                   or params.early_stopping is True):
+            break
+        next_live = []
+        for total, rank, token in going_on:
+            own = _copied(live[rank][2])
+            logits = model(mx.array([[token]]), cache=own)[0, -1]
+            next_live.append((total, live[rank][1] + [token], own, logits))
+        live = next_live
+    return [(tokens, score) for score, tokens in finished[: params.n]]
 
 
 def sample_next(

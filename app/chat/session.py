@@ -29,6 +29,7 @@ from app.core.session_logic import (
     copy_settings,
     prompt_messages,
     prompt_with_calls,
+    reply_params,
     status_for,
     title_from,
     unique_title,
@@ -326,7 +327,7 @@ class ChatSession(QObject):
                 self._submit_with_tools(work, replies[0], parent_id))
             return True
         try:
-            params = dataclasses.replace(self.settings.sampling, n=n)  # validates
+            params = reply_params(self.settings.sampling, n)
             if self.is_remote:
                 if self.remote is None:
                     raise RuntimeError("Remote providers are not available here.")
@@ -501,7 +502,8 @@ class ChatSession(QObject):
             prompt = await asyncio.to_thread(chat_prompt, engine, messages, raw, use)
             params = dataclasses.replace(self.settings.sampling, n=1)
             if use is not None and use.forced and prompt.syntax is not None:
-                params = dataclasses.replace(params, constraint=call_constraint(
+                # a reply held to a call's grammar cannot be a beam search: greedy, one beam
+                params = dataclasses.replace(params, beam_width=1, constraint=call_constraint(
                     use, prompt.syntax.start, prompt.syntax.end))
             if work not in self._requests:
                 return  # stopped meanwhile

@@ -80,5 +80,7 @@ def describe(params: SamplingParams) -> str:
     if params.repetition_penalty != 1.0:
         parts.append(f"repetition penalty {params.repetition_penalty:g} over the last "
                      f"{params.repetition_context_size} tokens")
+    if params.beam_search:
+        parts.append(f"best of {params.beam_width} (beam search)")
     parts.append(f"at most {params.max_tokens:,} tokens")
     return " · ".join(parts)

@@ -63,7 +63,10 @@ def _loader(hint: Any) -> Loader:
         return functools.partial(_load_object, hint)
     origin, args = get_origin(hint), get_args(hint)
     if origin in (Union, types.UnionType):
-        (inner,) = [_loader(a) for a in args if a is not type(None)]
+        options = [a for a in args if a is not type(None)]
+        if len(options) > 1:  # e.g. bool | str: the stored value must be one of them as is
+            return functools.partial(_load_one_of, tuple(options))
+        (inner,) = [_loader(a) for a in options]
         if type(None) not in args:
             return inner
         return lambda v: None if v is None or v == "" else inner(v)
@@ -77,6 +80,14 @@ def _loader(hint: Any) -> Loader:
     if hint is str:
         return _load_text
     return functools.partial(_refuse, hint)
+
+
+def _load_one_of(types_: tuple[type, ...], value: Any) -> Any:
+    """A value of a union of plain types (SamplingParams.early_stopping: bool | str), taken
+    as stored when its JSON type is one of them exactly (True is not taken for an int)."""
+    if type(value) in types_:
+        return value
+    raise TypeError(f"expected one of {types_!r}, got {value!r}")
 
 
 def _load_object(cls: type, value: Any) -> Any:

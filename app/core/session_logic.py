@@ -16,7 +16,7 @@ from typing import Any
 from app.core.attachments import from_meta, prompt_content
 from app.core.records import ChatSettings, Message, Status, new_id
 from app.core.tool_calls import tool_messages
-from engine import FinishReason, Usage
+from engine import FinishReason, SamplingParams, Usage
 
 TITLE_LENGTH = 48
 DEFAULT_TITLE = "New Chat"
@@ -142,3 +142,13 @@ def branch_copies(
 def copy_settings(settings: ChatSettings) -> ChatSettings:
     """An independent copy (a new chat must not share its defaults' objects)."""
     return ChatSettings.from_dict(settings.to_dict())
+
+
+def reply_params(sampling: SamplingParams, n: int) -> SamplingParams:
+    """A chat's sampling for a reply with ``n`` alternatives. With "Best of k (beam search)"
+    on, the alternatives are the best ``n`` beams: a search narrower than ``n`` is widened
+    to ``n`` (the engine refuses n above beam_width), and one reply is the best beam."""
+    if sampling.beam_search and n > sampling.beam_width:
+        return dataclasses.replace(sampling, n=n, beam_width=n)
+    return dataclasses.replace(sampling, n=n)  # validates
+

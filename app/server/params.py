@@ -5,6 +5,13 @@ names the field); this module only checks JSON types, maps the OpenAI field name
 turns its messages into 400 errors naming the request's parameter. Fields it does not know
 are ignored, as OpenAI-compatible servers do; fields it knows but cannot honour are refused
 with a message, never silently dropped.
+
+Beam search (docs/ARCHITECTURE.md §6.4): ``best_of`` above 1 is the beam width, and the ``n``
+best beams are the choices (OpenAI's ``best_of`` ranks its candidates the same way, by
+log-probability); vLLM's ``use_beam_search: true`` asks for it explicitly (its width is
+``best_of``, else ``n``), with its ``length_penalty`` and ``early_stopping``. There is no
+sampled best-of: ``use_beam_search: false`` with ``best_of`` above 1 is refused. A beam
+search is greedy (a missing temperature means 0, any other is refused) and cannot stream.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any
 
 from app.server.errors import APIError
 from app.server.tools import ToolUse, parse_tools
-from engine import DEFAULT_REPETITION_CONTEXT, Constraint, SamplingParams
+from engine import DEFAULT_REPETITION_CONTEXT, MAX_BEAM_WIDTH, Constraint, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI's
@@ -58,9 +65,6 @@ def parse_completion(body: Any) -> ParsedRequest:
             raise _unsupported(name)
     if body.get("suffix"):
         raise _unsupported("suffix")
-    best_of = body.get("best_of")
-    if best_of not in (None, 1) and best_of != body.get("n", 1):
-        raise _unsupported("best_of")
     if body.get("tools"):
         raise _unsupported("tools")  # a chat feature: /v1/chat/completions takes them
     text, tokens = _prompt(body.get("prompt"))
@@ -100,6 +104,7 @@ def _common(body: dict, logprobs: int | None = None, **prompt: Any) -> ParsedReq
     constraint = _response_format(body.get("response_format"))
 
     stream = _boolean(body, "stream", False)
+    beam = _beam_search(body, stream)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise APIError(400, "stream_options must be an object", param="stream_options")
@@ -110,7 +115,8 @@ def _common(body: dict, logprobs: int | None = None, **prompt: Any) -> ParsedReq
     )
     max_tokens = _integer(body, max_name, None)
     values: dict[str, Any] = {
-        "temperature": _number(body, "temperature", 1.0),
+        # a beam search is greedy: without a temperature, 0 (any other is refused by name)
+        "temperature": _number(body, "temperature", 0.0 if beam else 1.0),
         "top_p": _number(body, "top_p", 1.0),
         "top_k": _integer(body, "top_k", 0),
         "min_p": _number(body, "min_p", 0.0),
@@ -124,12 +130,13 @@ def _common(body: dict, logprobs: int | None = None, **prompt: Any) -> ParsedReq
         "max_tokens": max_tokens if max_tokens is not None else 1,
         "constraint": constraint,
         "logprobs": logprobs,
+        **beam,
     }
     try:
         params = SamplingParams(**values)
     except (ValueError, TypeError) as exc:
-        message = str(exc)
-        param = _param_of(message, max_name)
+        param = _param_of(str(exc), max_name)
+        message = str(exc).replace("beam_width", "best_of")  # the API's name for the width
         raise APIError(400, message, param=param, code="invalid_value") from exc
     user = body.get("user")
     model = body.get("model")
@@ -142,6 +149,50 @@ def _common(body: dict, logprobs: int | None = None, **prompt: Any) -> ParsedReq
         max_tokens_given=max_tokens is not None,
         **prompt,
     )
+
+
+def _beam_search(body: dict, stream: bool) -> dict[str, Any]:
+    """The beam search fields of SamplingParams the request asks for ({} for none): see the
+    module's docstring for how ``best_of`` and ``use_beam_search`` read."""
+    n = _integer(body, "n", 1)
+    best_of = _integer(body, "best_of", None)
+    wanted = body.get("use_beam_search")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise APIError(400, f"use_beam_search must be true or false, got {wanted!r}",
+                       param="use_beam_search", code="invalid_type")
+    if best_of is not None and not 1 <= best_of <= MAX_BEAM_WIDTH:
+        raise APIError(400, f"best_of must be an integer in [1, {MAX_BEAM_WIDTH}] (the beam "
+                       f"search's width; 1 turns it off), got {best_of}", param="best_of",
+                       code="invalid_value")
+    if best_of is not None and n is not None and best_of < n:
+        raise APIError(400, f"best_of must be at least n: the {n} choices are the best of "
+                       f"best_of beams, got best_of={best_of}", param="best_of",
+                       code="invalid_value")
+    if wanted is False and best_of is not None and best_of > 1:
+        raise APIError(400, "best_of above 1 runs beam search on this server (there is no "
+                       "sampled best-of): leave use_beam_search out or send true",
+                       param="best_of", code="unsupported_value")
+    width = best_of if best_of is not None else (n or 1) if wanted else 1
+    if wanted and width < 2:
+        raise APIError(400, "use_beam_search needs best_of (or n) of 2 or more: the beam "
+                       "search's width", param="best_of", code="invalid_value")
+    if width < 2:
+        return {}
+    if stream:
+        raise APIError(400, "best_of (beam search) cannot be streamed: the choices are known "
+                       "only when the search ends; send stream false", param="stream",
+                       code="unsupported_value")
+    out: dict[str, Any] = {"beam_width": width}
+    length_penalty = _number(body, "length_penalty", None)
+    if length_penalty is not None:
+        out["length_penalty"] = length_penalty
+    early = body.get("early_stopping")
+    if early is not None:
+        if not (isinstance(early, bool) or early == "never"):
+            raise APIError(400, f"early_stopping must be true, false or \"never\", got "
+                           f"{early!r}", param="early_stopping", code="invalid_value")
+        out["early_stopping"] = early
+    return out
 
 
 def with_max_tokens(request: ParsedRequest, prompt_len: int, max_context: int) -> SamplingParams:
@@ -157,7 +208,7 @@ def _param_of(message: str, max_name: str) -> str | None:
     if not found:
         return "stop" if "stop" in message else None
     field = min(found)[1]
-    return max_name if field == "max_tokens" else field
+    return {"max_tokens": max_name, "beam_width": "best_of"}.get(field, field)
 
 
 def _response_format(value: Any) -> Constraint | None:

@@ -66,11 +66,24 @@ SAMPLING_UI: dict[str, FieldUI] = {
     ),
     "max_tokens": FieldUI("Max reply &tokens:", "Maximum reply tokens", 1, 32768),
     "seed": FieldUI("S&eed:", "Seed", -1, 2**31 - 1, special="random"),
+    "beam_width": FieldUI(
+        "&Best of k (beam search):", "Best of k (beam search)", 1, 8, special="off",
+        tip="Search this many replies side by side and show the most likely one (the "
+            "model's own probabilities, greedy): slower, and the reply appears only when "
+            "the search ends. Off (1) samples as set above.",
+    ),
 }
 # Per request, not per chat: `n` is how many alternatives a regenerate asks for, stop
 # strings are not offered in the app, and a grammar (`constraint`) and `logprobs` are what an
-# API request or a tool call asks for, not a chat's setting.
-NOT_IN_FORM = frozenset({"n", "stop", "constraint", "logprobs"})
+# API request or a tool call asks for, not a chat's setting. A beam search's length penalty
+# and early stopping keep the engine's defaults (Hugging Face's) in the app.
+NOT_IN_FORM = frozenset({"n", "stop", "constraint", "logprobs", "length_penalty",
+                         "early_stopping"})
+#: What beam search ranks by is the model's own distribution: these boxes are set to their
+#: neutral values (the engine refuses any other with beam search) and disabled while "Best of
+#: k" is on, and get the user's values back when it is turned off.
+BEAM_NEUTRAL: dict[str, object] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                                   "repetition_penalty": 1.0, "seed": None}
 
 
 class SamplingForm(QWidget):
@@ -97,6 +110,28 @@ class SamplingForm(QWidget):
             w.setValue(ui.low if value is None else value)
             self.widgets[f.name] = w
             form.addRow(ui.label, w)
+        #: the user's sampling values, kept while beam search holds them neutral
+        self._sampled: dict[str, object] | None = None
+        beams = self.widgets.get("beam_width")
+        if beams is not None:
+            self._hold_for_beams(beams.value() > 1)
+            beams.valueChanged.connect(lambda k: self._hold_for_beams(k > 1))
+
+    def _hold_for_beams(self, on: bool) -> None:
+        """Beam search on: the sampling boxes show their neutral values, disabled (the
+        user's are kept); off: the user's values come back."""
+        boxes = {name: w for name, w in self.widgets.items() if name in BEAM_NEUTRAL}
+        if on and self._sampled is None:
+            self._sampled = {name: w.value() for name, w in boxes.items()}
+            for name, w in boxes.items():
+                neutral = BEAM_NEUTRAL[name]
+                w.setValue(w.minimum() if neutral is None else neutral)
+        elif not on and self._sampled is not None:
+            for name, w in boxes.items():
+                w.setValue(self._sampled[name])
+            self._sampled = None
+        for w in boxes.values():
+            w.setEnabled(not on)
 
     def __getattr__(self, name: str) -> QAbstractSpinBox:
         """A field's spin box by the field's name (form.temperature), for code that names one."""

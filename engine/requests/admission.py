@@ -13,6 +13,7 @@ from engine.handle import RequestHandle
 from engine.models.chat_format import encode_chat
 from engine.runner.constraints import grammars_for
 from engine.runner.sampling import new_key
+from engine.sched.beams import BeamGroup
 from engine.sched.sequence import Request, Sequence
 
 
@@ -34,8 +35,10 @@ def admit(
     tokenizer: Any,
     max_context: int,
 ) -> tuple[Request, str | None]:
-    """The request with one sequence per sample, and None; or the request and why it cannot
-    run (its prompt is set whenever it could be built, for the usage of the refusal)."""
+    """The request with one sequence per sample (per beam for beam search: the first runs
+    the prompt, the others wait to be forked from it), and None; or the request and why it
+    cannot run (its prompt is set whenever it could be built, for the usage of the
+    refusal)."""
     request = Request(request_id, session_id, params, [], handle)
     try:
         prompt = apply_template(tokenizer, messages) if messages is not None else prompt_tokens
@@ -63,7 +66,7 @@ def admit(
         except ValueError as e:
             return request, str(e)
         request.grammars = grammars
-    for index in range(params.n):
+    for index in range(params.num_sequences):
         request.sequences.append(
             Sequence(
                 request=request,
@@ -77,4 +80,7 @@ def admit(
         )
         if grammar is not None:
             request.sequences[-1].matcher = matchers[index]
+    if params.beam_search:
+        request.beams = BeamGroup(request)
+        request.beams.start(request.sequences[0])
     return request, None

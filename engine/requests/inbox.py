@@ -73,6 +73,8 @@ def accept(item: Submit, tokenizer, max_context: int, scheduler: Scheduler, outp
             item.request_id, item.session_id, item.messages, item.prompt_tokens,
             item.params, item.handle, tokenizer, max_context,
         )
+        if refusal is None and item.params.beam_search:
+            refusal = beam_refusal(item.params, scheduler)
         if refusal is not None:
             refuse(item.handle, item.handle.n, FinishReason.ERROR, refusal, request)
             return
@@ -85,6 +87,18 @@ def accept(item: Submit, tokenizer, max_context: int, scheduler: Scheduler, outp
         return
     output.requests[request.request_id] = request
     telemetry.add_session(item.session_id)
+
+
+def beam_refusal(params: SamplingParams, scheduler) -> str | None:
+    """Why this engine cannot run a beam search of ``params``, or None. The beams need the
+    paged pool (they fork and share blocks) and all of them in one batch."""
+    if not isinstance(scheduler, Scheduler):
+        return ("beam search needs the paged KV pool, and this model runs on mlx-lm's own "
+                "cache: set beam_width to 1")
+    if params.beam_width > scheduler.max_batch:
+        return (f"beam_width {params.beam_width} is more than the engine's max_batch "
+                f"({scheduler.max_batch}): the beams decode side by side in one batch")
+    return None
 
 
 def set_priority(item: SetPriority, scheduler: Scheduler, telemetry: Telemetry) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
+from engine.runner.beams import PendingBeams
 from engine.runner.logprobs import PendingLogprobs
 from engine.runner.sampling import Layout, RowState, SamplingRow, host_windows
 from engine.sched.sequence import Sequence
@@ -26,19 +27,31 @@ from engine.sched.work import SequenceWork
 
 @dataclass
 class Launched:
-    """A step whose sampled tokens are still on the device."""
+    """A step whose sampled tokens (and beam rows' candidates) are still on the device.
+
+    A step of beam rows only samples nothing: its ``tokens``, ``layout`` and states are None
+    and it is never the carry's ``last``."""
 
     works: list[SequenceWork]
     fanout: list[list[Sequence]]  # per work: the sequences drawing from its logits
     seqs: list[Sequence]  # one per sampled row
     rows: list[SamplingRow]  # their sampling inputs (their keys may predate ``state``'s)
-    tokens: mx.array  # [len(seqs)] lazy
-    layout: Layout  # the rows' sampling layout (shared by the steps with the same rows)
-    state: RowState  # the rows' state before this step's draw
-    next_state: RowState  # after it: this step's tokens in the windows, the keys split
+    tokens: mx.array | None  # [len(seqs)] lazy (None: no sampled row)
+    layout: Layout | None  # the rows' sampling layout (shared by the steps with the same rows)
+    state: RowState | None  # the rows' state before this step's draw
+    next_state: RowState | None  # after it: this step's tokens in the windows, the keys split
     number: int  # launches counted from 1: which of two steps drew later
     constrained: bool = False  # some row was masked by its grammar: read before the next
     logprobs: PendingLogprobs | None = None  # for the rows that asked
+    #: the beam search rows' candidates: read before the next step (the groups decide what
+    #: the beams feed next, on the host)
+    beams: PendingBeams | None = None
+
+    @property
+    def synchronous(self) -> bool:
+        """The next step needs this one read first: a grammar's mask needs a constrained
+        row's newest token, and a beam search's next tokens are decided on the host."""
+        return self.constrained or self.beams is not None
 
     def row_of(self, seq: Sequence) -> int:
         return self.index[id(seq)]

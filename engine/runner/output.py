@@ -71,17 +71,61 @@ class Output:
 
     def end_at_pool_limit(self, seq: Sequence, capacity_tokens: int) -> None:
         """End a reply that outgrew the whole KV pool: ``length``, with all its text (what
-        a stop string held back included) and a detail saying why."""
+        a stop string held back included) and a detail saying why. A beam search ends with
+        its hypotheses so far, the live beams counted as finished where they are."""
         if seq.finished:
+            return
+        detail = (f"the reply filled the KV pool ({capacity_tokens} tokens with the prompt): "
+                  "raise the KV memory budget for longer replies")
+        group = seq.request.beams
+        if group is not None:
+            group.finalize_now()
+            self.finish_beam_search(seq.request, detail)
             return
         seq.detokenizer.finalize()
         text = seq.detokenizer.text
         if len(text) > seq.emitted_chars:
             self._emit(seq, text, [])
         seq.text = text
-        self.finish(seq, FinishReason.LENGTH, detail=(
-            f"the reply filled the KV pool ({capacity_tokens} tokens with the prompt): raise "
-            "the KV memory budget for longer replies"))
+        self.finish(seq, FinishReason.LENGTH, detail=detail)
+
+    def finish_beam_search(self, request: Request, detail: str | None = None) -> None:
+        """End a beam search with its ``n`` best hypotheses: for each, one token event with
+        the whole reply (beam search streams nothing before: every live beam may still be
+        pruned) and its final event with the hypothesis's score. Every beam is handed back
+        for its blocks to be freed."""
+        group = request.beams
+        if not self._end_beams(request):
+            return
+        decoder = request.sequences[0].detokenizer
+        first = request.sequences[0]
+        first.first_token_time = group.first_step_time
+        for index, hypothesis in enumerate(group.best()):
+            decoder.reset()
+            for token in hypothesis.tokens:
+                if token not in self.eos_ids:
+                    decoder.add_token(token)
+            decoder.finalize()
+            text = decoder.text
+            request.handle._push(TokenEvent(request.request_id, request.session_id, index,
+                                            text, hypothesis.tokens))
+            reason = FinishReason.STOP if hypothesis.ended else FinishReason.LENGTH
+            request.handle._push(FinalEvent(
+                request.request_id, request.session_id, index, reason, text,
+                usage(request, len(hypothesis.tokens), first), None, detail,
+                hypothesis.score))
+        self.requests.pop(request.request_id, None)
+
+    def _end_beams(self, request: Request) -> bool:
+        """Mark every beam of ``request`` finished and hand them back (their blocks go after
+        the step); False when the search had already ended."""
+        if all(s.finished for s in request.sequences):
+            return False
+        for seq in request.sequences:
+            if not seq.finished:
+                seq.state = SequenceState.FINISHED
+                self.finished.append(seq)
+        return True
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
                detail: str | None = None) -> None:
@@ -89,10 +133,15 @@ class Output:
         in ``finished`` for the runner to free its blocks."""
         if seq.finished:
             return
+        request = seq.request
+        if request.beams is not None:  # a beam ends the whole search: one final per reply
+            self._end_beams(request)
+            refuse(request.handle, request.params.n, reason, error, request)
+            self.requests.pop(request.request_id, None)
+            return
         self.finished.append(seq)
         seq.state = SequenceState.FINISHED
         seq.finish_reason = reason
-        request = seq.request
         request.handle._push(FinalEvent(
             request.request_id, seq.session_id, seq.index, reason, seq.text,
             usage(request, seq.num_generated, seq), error, detail,
@@ -137,7 +186,8 @@ class Output:
 
 def refuse(handle: RequestHandle, n: int, reason: FinishReason, message: str | None,
            request: Request | None = None) -> None:
-    """End every sample of a request that never ran (rejected, or the engine cannot serve)."""
+    """End every sample of a request with an empty reply: one that never ran (rejected, or
+    the engine cannot serve), or a beam search cancelled or failed before its end."""
     spent = time.perf_counter() - request.arrival if request is not None else 0.0
     prompt = len(request.prompt) if request is not None else 0
     empty = Usage(prompt, 0, 0, None, spent, 0.0)

@@ -29,6 +29,12 @@ unread when the engine stops. A failing forward is retried one sequence at a tim
 only the culprits fail (``_isolate`` and ``_rerun`` share ``_run_alone``); an exception
 while handling one sequence (sampling, accepting its token) fails that sequence only.
 Nothing here touches the allocator: forks, commits and frees go through the scheduler.
+
+A beam search's rows are not sampled: their best next tokens are found on the device
+(engine/runner/beams.py) and read with the step; once a search's every live beam has
+reported, its group decides and the scheduler forks and prunes the beams
+(``_step_beams``, docs/ARCHITECTURE.md §3.12). A step holding beam rows is read before the
+next one is scheduled, as a constrained row's is (``Launched.synchronous``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import mlx.core as mx
 from engine.events import FinishReason
 from engine.kv.block_table import PENDING
 from engine.kv.pool import KVPool
+from engine.runner.beams import beam_candidates
 from engine.runner.carry import Launched, SamplerCarry, set_key
 from engine.runner.constraints import apply_bitmask
 from engine.runner.logprobs import pending_logprobs
@@ -50,6 +57,7 @@ from engine.runner.output import Output
 from engine.runner.sampling import SamplingRow, draw, sample_rows
 from engine.runner.step_batch import StepBatch, build_step_batch
 from engine.runner.telemetry import StepTimes, Telemetry
+from engine.sched.beams import BeamGroup
 from engine.sched.prefill_budget import PrefillBudget
 from engine.sched.scheduler import Scheduler, StepPlan
 from engine.sched.sequence import Sequence
@@ -90,8 +98,9 @@ class StepRunner:
         """schedule -> launch -> finish the previous step (see the module's docstring)."""
         times = self._times = StepTimes()
         t0 = time.perf_counter()
-        if self._inflight is not None and self._inflight.constrained:
-            self._end_inflight()  # a constrained row's mask needs its newest token
+        if self._inflight is not None and self._inflight.synchronous:
+            self._end_inflight()  # a grammar's mask or a beam search's next tokens need it
+            self.release_finished()  # what it ended gives its blocks back before planning
         budget = self.prefill.budget(self.scheduler.decoding, self.scheduler.prompt_context)
         plan = self.scheduler.schedule(budget, continue_prompts=not self.prefill.holding)
         self._end_failed(plan.failed)
@@ -144,7 +153,8 @@ class StepRunner:
         for seq in launched.seqs:
             seq.inflight = 0
         try:
-            mx.eval(launched.tokens)
+            mx.eval([a for a in (launched.tokens,) if a is not None],
+                    launched.beams.arrays() if launched.beams is not None else [])
         except Exception:  # its requests are being cancelled anyway
             logger.exception("the last step failed while the engine stopped")
 
@@ -179,15 +189,32 @@ class StepRunner:
         seqs: list[Sequence] = []
         rows: list[SamplingRow] = []
         owners: list[int] = []
+        beam_seqs: list[Sequence] = []
+        beam_owners: list[int] = []
         for i, owner in enumerate(batch.logit_owners):
             fanout[owner] = plan.fanout(plan.works[owner])
+            seq = plan.works[owner].seq
+            if seq.request.beams is not None:  # a beam: ranked by its group, not sampled
+                beam_owners.append(i)
+                beam_seqs.append(seq)
+                continue
             for s, row in self._prepare(fanout[owner]):
                 owners.append(i)
                 seqs.append(s)
                 rows.append(row)
-        if not rows:  # a prompt chunk that samples nothing, or every row failed to prepare
-            mx.async_eval(self.paged_model.written())  # its K/V still has to be written
+        if not rows and not beam_seqs:  # a prompt chunk that samples nothing, or every
+            mx.async_eval(self.paged_model.written())  # row failed: its K/V is still written
             return None
+        beams = None
+        if beam_seqs:
+            beams = beam_candidates(logits[mx.array(beam_owners, dtype=mx.int32)], beam_seqs,
+                                    len(self.output.eos_ids))
+        if not rows:
+            mx.async_eval(beams.arrays())
+            self._times.sample += time.perf_counter() - t1
+            self._launches += 1
+            return Launched(list(plan.works), fanout, [], [], None, None, None, None,
+                            self._launches, beams=beams)
         if owners != list(range(logits.shape[0])):
             logits = logits[mx.array(owners, dtype=mx.int32)]
         raw = logits
@@ -201,7 +228,8 @@ class StepRunner:
             logprobs = pending_logprobs(raw, tokens, layout.logprob_tops)
         t2 = time.perf_counter()
         mx.async_eval(tokens, [a for a in (next_state.windows, next_state.keys) if a is not None],
-                      logprobs.arrays() if logprobs is not None else [])
+                      logprobs.arrays() if logprobs is not None else [],
+                      beams.arrays() if beams is not None else [])
         self._times.sample += t2 - t1
         self._times.forward += time.perf_counter() - t2  # on the CPU it runs right here
         for s in seqs:
@@ -209,7 +237,7 @@ class StepRunner:
         self._launches += 1
         self.carry.last = Launched(list(plan.works), fanout, seqs, rows, tokens, layout, state,
                                    next_state, self._launches, constrained=bool(constrained),
-                                   logprobs=logprobs)
+                                   logprobs=logprobs, beams=beams)
         return self.carry.last
 
     def _constrain(self, logits: mx.array, seqs: list[Sequence], rows: list[int]) -> mx.array:
@@ -246,7 +274,8 @@ class StepRunner:
         """Read a launched step's tokens (the one device-to-host transfer) and accept them."""
         t0 = time.perf_counter()
         try:
-            values = launched.tokens.tolist()
+            values = launched.tokens.tolist() if launched.tokens is not None else []
+            reports = launched.beams.read() if launched.beams is not None else []
         except Exception as e:  # the device failed: redo the step one sequence at a time
             logger.warning("step failed (%s); isolating its %d sequences", e,
                            len(launched.works))
@@ -261,7 +290,32 @@ class StepRunner:
             entries = launched.logprobs.read(values)
             for row, (seq, token) in enumerate(zip(launched.seqs, values)):
                 self._accept(seq, token, entries.get(row))
+        for seq, candidates in reports:
+            self._report_beam(seq, candidates)
         self._times.bookkeeping += time.perf_counter() - t1
+
+    def _report_beam(self, seq: Sequence, candidates: list[tuple[int, float]]) -> None:
+        """A beam's best next tokens are known; once its whole group has reported, the group
+        decides the step (a failure there fails that search alone)."""
+        group = seq.request.beams
+        if seq.finished or not group.report(seq, candidates):
+            return
+        self._guard(seq, self._step_beams, group)
+
+    def _step_beams(self, group: BeamGroup) -> None:
+        """One step of a beam search: the group ranks, the scheduler forks and prunes (the
+        only place a step calls it besides schedule, commit, resolve and remove), or the
+        search ends with its best hypotheses."""
+        now = time.perf_counter()
+        if group.first_step_time is None:
+            group.first_step_time = now
+        decided = group.select(self.output.eos_ids, self.output.max_context)
+        if decided.done:
+            self.output.finish_beam_search(group.request)
+            return
+        group.request.forked = True  # the beams are the request's sequences from now on
+        for seq in self.scheduler.advance_beams(group, decided):
+            self.telemetry.token(seq.session_id, now)
 
     def _accept(self, seq: Sequence, token: int, logprob=None) -> None:
         self.scheduler.resolve(seq, token)
@@ -282,7 +336,11 @@ class StepRunner:
         sample drawing with the inputs (keys included) the launch drew with."""
         self.carry.drop()  # each sequence's token is resolved as it is accepted again
         index = launched.index
+        beams = {id(s) for s in launched.beams.seqs} if launched.beams is not None else set()
         for work, fanout in zip(launched.works, launched.fanout):
+            if id(work.seq) in beams:
+                self._run_alone(work, fanout)
+                continue
             drawn = [(s, launched.row(s)) for s in fanout if id(s) in index]
             self._run_alone(work, fanout, drawn, launched.number)
 
@@ -311,6 +369,11 @@ class StepRunner:
                 self.output.finish(s, FinishReason.ERROR, describe(e))
             return
         if not work.want_logits:
+            return
+        if seq.request.beams is not None:
+            reported = self._guard(seq, _beam_alone, logits[0:1], seq, len(self.output.eos_ids))
+            if reported is not None:
+                self._report_beam(seq, reported)
             return
         samples = drawn if drawn is not None else self._prepare(fanout)
         for s, row in samples:
@@ -346,6 +409,13 @@ class StepRunner:
             logger.exception("request %s failed", seq.request.request_id)
             self.output.finish(seq, FinishReason.ERROR, describe(e))
             return None
+
+
+def _beam_alone(logits: mx.array, seq: Sequence, num_eos: int) -> list[tuple[int, float]]:
+    """One beam's candidates, synchronously (a sequence run on its own)."""
+    pending = beam_candidates(logits, [seq], num_eos)
+    mx.eval(pending.arrays())
+    return pending.read()[0][1]
 
 
 def _logprob_alone(logits: mx.array, token: int, top: int):

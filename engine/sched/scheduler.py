@@ -19,8 +19,10 @@ sequence left waiting carries the reason, for the monitor.
 
 It is the only user of the allocator besides the snapshot's read-only view: it also forks
 the samples of an n > 1 request in the step that ends their shared prompt (the plan's
-``forks``: the runner samples them from that prompt's logits), and frees a finished
-sequence's blocks when the runner hands it back after the step (:meth:`remove`).
+``forks``: the runner samples them from that prompt's logits), forks and prunes the beams
+of a beam search once its group has decided a step (:meth:`advance_beams`; a beam search
+is preempted whole), and frees a finished sequence's blocks when the runner hands it back
+after the step (:meth:`remove`).
 
 The queues are dicts keyed by ``seq_id``, in order (admission order for ``running``, queue
 order for ``waiting``): membership and removal cost the same at 64 sequences as at 2.
@@ -34,8 +36,9 @@ from dataclasses import dataclass, field
 
 from engine.config import Priority
 from engine.events import SequenceState
-from engine.kv.block_table import PENDING, BlockTable
+from engine.kv.block_table import PENDING, BlockTable, chain_hash
 from engine.kv.blocks import BlockAllocator
+from engine.sched.beams import BeamGroup, BeamStep
 from engine.sched.sequence import Sequence
 from engine.sched.work import SequenceWork
 
@@ -194,7 +197,7 @@ class Scheduler:
         They join ``running`` in the order the step's batch lays out its logits (one-token
         works first, engine/runner/step_batch.py), as when the runner forked them."""
         ending = [w for w in plan.works if w.want_logits and not w.seq.request.forked
-                  and w.seq.request.params.n > 1]
+                  and w.seq.request.params.n > 1 and w.seq.request.beams is None]
         for work in sorted(ending, key=lambda w: len(w.tokens) != 1):
             seq, request = work.seq, work.seq.request
             request.forked = True
@@ -210,6 +213,55 @@ class Scheduler:
                 sibling.admitted_at = seq.admitted_at
                 self.running[sibling.seq_id] = sibling
                 forks.append(sibling)
+
+    def advance_beams(self, group: BeamGroup, step: BeamStep) -> list[Sequence]:
+        """Place a beam search's decided continuations on its sequences, through the
+        allocator: a beam no continuation extends is pruned first (its table freed at once:
+        private blocks back to the pool, shared ones dereferenced); each parent's best
+        continuation goes on in the parent's own sequence; every further one takes a free
+        sequence of the request, forked from the parent (its table copied, each block's
+        refcount + 1). Nothing is copied here: the next step's append copies a shared
+        partial block on write, once for each extra child. Returns the new live beams, best
+        first, each holding its continuation's token (to be fed next step)."""
+        extended = {id(c.parent) for c in step.continuations}
+        for beam in group.live:
+            if id(beam) not in extended:
+                self._vacate(beam)
+        live = {id(s) for s in group.live}
+        spare = [s for s in group.request.sequences
+                 if id(s) not in live or id(s) not in extended]
+        placed: list[tuple[Sequence, Sequence, int]] = []  # (sequence, parent, token)
+        going_on: set[int] = set()
+        for c in step.continuations:
+            if id(c.parent) in going_on:
+                placed.append((spare.pop(0), c.parent, c.token))
+            else:
+                going_on.add(id(c.parent))
+                placed.append((c.parent, c.parent, c.token))
+        for seq, parent, token in placed:  # forks first: they copy the parent as it was
+            if seq is not parent:
+                seq.tokens = [*parent.tokens, token]
+                seq.table = self.alloc.fork(parent.table)
+                seq.state = SequenceState.DECODING
+                seq.admitted_at = parent.admitted_at
+                seq.waiting_reason = ""
+                self.running[seq.seq_id] = seq
+        for seq, parent, token in placed:
+            if seq is parent:
+                seq.tokens.append(token)
+        group.advanced([(seq, c.logprob) for (seq, _, _), c in zip(placed, step.continuations)])
+        return [seq for seq, _, _ in placed]
+
+    def _vacate(self, seq: Sequence) -> None:
+        """A pruned beam: out of the queues, its blocks released now; its sequence waits,
+        empty, to carry a later fork of the same search."""
+        self.running.pop(seq.seq_id, None)
+        self.waiting.pop(seq.seq_id, None)
+        if seq.table is not None:
+            self.alloc.free(seq.table)
+            seq.table = None
+        seq.state = SequenceState.WAITING
+        seq.waiting_reason = ""
 
     def set_priority(self, session_id: str, priority: Priority) -> None:
         """Every live request of ``session_id`` (running or waiting) takes ``priority``."""
@@ -250,12 +302,22 @@ class Scheduler:
                                                     s.state is not SequenceState.PREEMPTED,
                                                     s.length))
         blocked = ""  # once set, nothing later in the order is admitted this step
+        # A beam search preempted in this step freed more than the step needed: taken back
+        # at once, its beams would recompute only to be preempted again.
+        just_preempted = {s.seq_id for s in plan.preempted if s.request.beams is not None}
         for seq in order:
+            if seq.seq_id in just_preempted:
+                self._wait(seq, WAIT_POOL)
+                continue
             if not blocked and used >= budget:
                 blocked = WAIT_BUDGET
             if not blocked and len(self.running) >= self.max_batch:
                 blocked = WAIT_BATCH
             if blocked:
+                self._wait(seq, blocked)
+                continue
+            if seq.state is SequenceState.PREEMPTED and not self._beams_fit(seq):
+                blocked = WAIT_POOL
                 self._wait(seq, blocked)
                 continue
             if seq.length > self.capacity_tokens - 1:
@@ -290,6 +352,34 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             used += n
         return used
+
+    def _beams_fit(self, seq: Sequence) -> bool:
+        """A preempted beam search comes back whole: its beams step together, so beams
+        taken back while the pool cannot hold their siblings would only sit on their blocks.
+        True unless ``seq`` is a beam whose waiting siblings (and itself) need more blocks
+        than are available: their distinct full blocks not held by anyone (beams share
+        their common blocks again through the prefix cache) plus one partial block each."""
+        group = seq.request.beams
+        if group is None or all(s.request is seq.request for s in self.running.values()):
+            return True  # nothing else holds blocks: it fits now or never (_make_room says)
+        waiting = [s for s in group.live if s.seq_id in self.waiting]
+        if len(waiting) + len(self.running) > self.max_batch:
+            return False
+        bs = self.alloc.block_size
+        seen: set[int] = set()
+        needed = 0
+        for beam in waiting:
+            parent = None
+            for i in range(len(beam.tokens) // bs):
+                parent = chain_hash(parent, beam.tokens[i * bs : (i + 1) * bs])
+                if parent in seen:
+                    continue
+                seen.add(parent)
+                block = self.alloc.prefix_index.block_for(parent)
+                if block is None or not self.alloc.refcount(block):
+                    needed += 1
+            needed += 1 if len(beam.tokens) % bs else 0
+        return needed <= self.alloc.num_available
 
     @staticmethod
     def _wait(seq: Sequence, reason: str) -> None:
@@ -351,12 +441,33 @@ class Scheduler:
                 del self.running[seq.seq_id]
                 plan.failed.append((seq, self._too_long_message(len(seq.tokens) + n)))
                 return False
+            request = seq.request
+            if request.beams is not None and all(s.request is request
+                                                 for s in self.running.values()):
+                # the beam search is all that runs and still does not fit: it never will
+                for beam in [s for s in self.running.values()]:
+                    del self.running[beam.seq_id]
+                plan.works = [w for w in plan.works if w.seq.request is not request]
+                plan.failed.append((seq, self._too_long_message(len(seq.tokens) + n)))
+                return False
             self._preempt(victim, plan)
-            if victim is seq:
+            if seq.table is None:  # preempted itself (or with its beam search)
                 return False
         return True
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Preempt ``seq``, and with a beam every live beam of its search: the beams step
+        together, so one left behind would hold the others' blocks idle."""
+        group = seq.request.beams
+        if group is None:
+            self._preempt_one(seq, plan)
+            return
+        for beam in group.live:
+            if beam.seq_id in self.running:
+                self._preempt_one(beam, plan)
+        group.preempted()
+
+    def _preempt_one(self, seq: Sequence, plan: StepPlan) -> None:
         del self.running[seq.seq_id]
         # Its reservations of this step, if any, go too: their slots are about to be freed.
         plan.works = [w for w in plan.works if w.seq is not seq]

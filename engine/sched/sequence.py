@@ -1,8 +1,9 @@
 """Request and sequence state, as the engine thread sees it.
 
 A request (one chat turn) has one sequence per sample (n > 1 forks the first one after its
-prompt). A sequence keeps its tokens even when preempted: its blocks are freed and its tokens
-recomputed later, so preemption never loses output.
+prompt), or, for beam search, one per beam (engine/sched/beams.py: the beams fork and are
+pruned every step). A sequence keeps its tokens even when preempted: its blocks are freed
+and its tokens recomputed later, so preemption never loses output.
 """
 
 from __future__ import annotations
@@ -40,10 +41,14 @@ class Request:
     priority: Priority = Priority.NORMAL
     #: A constrained request's grammars (engine/runner/constraints.py ``Grammars``).
     grammars: Any = None
+    #: A beam search's group (engine/sched/beams.py ``BeamGroup``); None for sampling and
+    #: greedy requests.
+    beams: Any = None
 
     @property
     def finished(self) -> bool:
-        return len(self.sequences) == self.params.n and all(s.finished for s in self.sequences)
+        return (len(self.sequences) == self.params.num_sequences
+                and all(s.finished for s in self.sequences))
 
 
 @dataclass(eq=False)
