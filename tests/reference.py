@@ -132,16 +132,20 @@ def _logprobs(logits: mx.array) -> np.ndarray:
     return np.array(x - mx.logsumexp(x, axis=-1, keepdims=True))
 
 
-def reference_beam_search(prompt: list[int], params: SamplingParams
+def reference_beam_search(prompt: list[int], params: SamplingParams, model=None,
+                          eos_ids: Sequence[int] | None = None
                           ) -> list[tuple[list[int], float]]:
     """The ``n`` best (tokens, score) of a beam search on mlx-lm's model, written plainly:
     every beam its own copy of mlx-lm's KV cache (nothing shared), following Hugging Face's
     ``_beam_search`` (transformers 5.x): the ``2k`` best continuations of all beams (summed
     log-probabilities), those among the first ``k`` that end (EOS, or ``max_tokens``) kept
     as hypotheses scored ``sum / generated length ** length_penalty``, the ``k`` best that
-    do not end going on, and HF's stopping rules (``early_stopping`` True, False, "never")."""
-    ref = reference_model()
-    model, eos = ref.model, set(ref.tokenizer.eos_token_ids)
+    do not end going on, and HF's stopping rules (``early_stopping`` True, False, "never").
+    ``model`` / ``eos_ids``: another mlx-lm model (the GPU check's), else the default one."""
+    if model is None:
+        ref = reference_model()
+        model, eos_ids = ref.model, ref.tokenizer.eos_token_ids
+    eos = set(eos_ids)
     k, lp_exp = params.beam_width, params.length_penalty
     keep = max(2, 1 + len(eos)) * k
     cache = make_prompt_cache(model)

@@ -17,6 +17,8 @@ independent reference; fp32 weights):
 * preemption in a pool too small for every reply at once;
 * cancelling a request in the middle of a long prefill (its blocks come back);
 * stop strings (the reply ends before the string);
+* a width-4 beam search (n = 2): each reply's score is the model's own score of it, and the
+  best equals the best of tests/reference.py's plain beam search on mlx-lm's cache;
 * the app's repetition penalty on the device, overlapped, next to rows without it (greedy
   against mlx-lm's own ``make_logits_processors``);
 * log-probabilities (the chosen token's and the top 5) against mlx-lm's log-softmax;
@@ -521,6 +523,37 @@ def int8_pool(results: Results, folder: Path, sizes: Sizes, modes: list[str]) ->
         results.timings["int8 kernel=reference replies"] = same / len(prompts)
 
 
+def beam_search(results: Results, eng: Engine, ref: Reference, sizes: Sizes) -> None:
+    """A width-4 beam search (n = 2) against the plain one of tests/reference.py on mlx-lm's
+    cache. A near-tie between two candidates may rank them the other way in a batched paged
+    step, so the check is on the scores, not the tokens: each returned reply's score equals
+    the reference model's own score of that reply (summed log-softmax / length ** penalty),
+    and the best score equals the reference search's best, both within 1e-3 relative."""
+    from tests.reference import reference_beam_search
+
+    prompt = prompt_of(2 * sizes.block_size + 5, sizes.vocab, seed=41)  # a partial block
+    params = SamplingParams(temperature=0.0, beam_width=4, n=2, max_tokens=sizes.new_tokens)
+    tokens, finals = collect(eng.submit(prompt_tokens=prompt, params=params,
+                                        session_id="beams"))
+    if not ended_well(results, "beam search width 4", finals, n=2):
+        return
+    expected = reference_beam_search(prompt, params, ref.model, ref.tokenizer.eos_token_ids)
+    for i in range(2):
+        reply, score = tokens.get(i, []), finals[i].score
+        logits = ref.model(mx.array([prompt + reply]))[0, len(prompt) - 1:-1].astype(mx.float32)
+        logsoftmax = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        own = float(mx.take_along_axis(logsoftmax, mx.array(reply)[:, None], axis=-1).sum())
+        own /= max(len(reply), 1) ** params.length_penalty
+        results.check(f"beam search reply {i}: its score is the model's", score is not None
+                      and abs(score - own) <= 1e-3 * max(1.0, abs(own)),
+                      f"engine {score} vs the model's {own:.5f}")
+    best = expected[0][1]
+    results.check("beam search: the best score equals the reference search's",
+                  finals[0].score is not None
+                  and abs(finals[0].score - best) <= 1e-3 * max(1.0, abs(best)),
+                  f"engine {finals[0].score} vs reference {best:.5f}")
+
+
 def preemption(results: Results, folder: Path, ref: Reference, sizes: Sizes) -> None:
     bs = sizes.block_size
     replies = 4
@@ -615,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
                 forks(results, eng, ref, sizes)
                 stop_strings(results, eng, ref, sizes)
                 penalty_and_logprobs(results, eng, ref, sizes)
+                beam_search(results, eng, ref, sizes)
             finally:
                 eng.stop()
             cancel_mid_prefill(results, folder, sizes, mode)
