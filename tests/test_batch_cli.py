@@ -21,12 +21,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from app.server import ServerOptions, ServerThread, create_app
-from engine import Engine, EngineConfig
+from tests.server_helpers import openai_client, running_engine, running_server
 
 pytestmark = pytest.mark.model
 
-KEY = "pc-test-key-0123456789"
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY = re.compile(r"(\d+) lines in .*: (\d+) computed, (\d+) already there")
 ENGINE_ARGS = ["--kv-memory-mib", "64", "--max-batch", "8"]
@@ -80,12 +78,11 @@ def read_out(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def one_by_one():
     """The reference: each request sent alone to the server's endpoint, by the openai client."""
-    engine = Engine(EngineConfig(kv_memory_mib=64, block_size=16, max_batch=8))
-    engine.start()
-    assert engine.wait_ready(600), engine.load_error
-    server = ServerThread(create_app(engine, ServerOptions(api_key=KEY)))
-    server.start()
-    client = openai.OpenAI(base_url=server.url, api_key=KEY, timeout=300, max_retries=0)
+    with running_engine() as engine, running_server(engine) as server:
+        yield _cached_replies(openai_client(server))
+
+
+def _cached_replies(client: openai.OpenAI):
     cache: dict[str, dict] = {}
 
     def reference(row: dict) -> dict:
@@ -95,9 +92,7 @@ def one_by_one():
             cache[key] = api.create(**row["body"]).model_dump(exclude_unset=True)
         return cache[key]
 
-    yield reference
-    server.stop()
-    engine.stop()
+    return reference
 
 
 def check_output(out: Path, rows: list[dict], reference) -> None:

@@ -19,13 +19,19 @@ import openai
 import pytest
 
 from app.server import ServerOptions, ServerThread, create_app
-from engine import Engine, EngineConfig
 from tests.reference import greedy_reference, reference_model, session_blocks, wait_until
+from tests.server_helpers import (
+    KEY,
+    TIMEOUT_S,
+    model_id,
+    openai_client,
+    running_engine,
+    running_server,
+    user,
+)
 
 pytestmark = pytest.mark.model
 
-KEY = "pc-test-key-0123456789"
-TIMEOUT_S = 300.0
 QUESTIONS = [
     "What is the capital of France?",
     "Name three colours of the rainbow.",
@@ -38,37 +44,21 @@ QUESTIONS = [
 ]
 
 
-def user(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}]
-
-
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine(EngineConfig(kv_memory_mib=64, block_size=16, max_batch=8))
-    eng.start()
-    assert eng.wait_ready(600), eng.load_error
-    yield eng
-    eng.stop()
+    with running_engine() as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    thread = ServerThread(create_app(engine, ServerOptions(api_key=KEY)))
-    thread.start()
-    yield thread
-    thread.stop()
+    with running_server(engine) as thread:
+        yield thread
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url, api_key=KEY, timeout=TIMEOUT_S, max_retries=0)
-
-
-def model_id(engine: Engine) -> str:
-    """The API's id of the served model: the app's one name for it (no spaces, no variant)."""
-    from app.core.model_names import model_id as app_model_id
-
-    return app_model_id(engine.model_info.name)
+    return openai_client(server)
 
 
 def mlx_lm_text(tokens: list[int]) -> str:
@@ -357,11 +347,8 @@ def test_a_body_over_the_size_limit_gets_413(server) -> None:
 
 
 def test_requests_beyond_the_concurrency_limit_get_429(engine) -> None:
-    thread = ServerThread(create_app(engine, ServerOptions(api_key=KEY, max_concurrent=1)))
-    thread.start()
-    try:
-        client = openai.OpenAI(base_url=thread.url, api_key=KEY, timeout=TIMEOUT_S,
-                               max_retries=0)
+    with running_server(engine, max_concurrent=1) as thread:
+        client = openai_client(thread)
         stream = client.chat.completions.create(
             model=model_id(engine), messages=user(QUESTIONS[5]), temperature=0,
             max_tokens=400, stream=True)
@@ -372,8 +359,6 @@ def test_requests_beyond_the_concurrency_limit_get_429(engine) -> None:
         stream.close()
         wait_until(lambda: thread.app.state.pagedchat.in_flight == 0, timeout=60)
         assert chat(client, engine, "hi", temperature=0, max_tokens=2).choices
-    finally:
-        thread.stop()
 
 
 def test_an_engine_that_is_not_ready_gets_503() -> None:
@@ -420,11 +405,9 @@ def test_by_default_nothing_listens_beyond_loopback(server) -> None:
 
 def test_stopping_the_server_ends_an_open_stream_with_a_final_chunk(engine) -> None:
     """The in-app stop (and the app quitting): the stream ends cleanly, then the port closes."""
-    thread = ServerThread(create_app(engine, ServerOptions(api_key=KEY)))
-    thread.start()
-    client = openai.OpenAI(base_url=thread.url, api_key=KEY, timeout=TIMEOUT_S, max_retries=0)
     stopper = None
-    try:
+    with running_server(engine) as thread:
+        client = openai_client(thread)
         stream = client.chat.completions.create(
             model=model_id(engine), messages=user("Write a very long story about a comet."),
             temperature=0, max_tokens=2000, stream=True, user="stopped")
@@ -440,5 +423,3 @@ def test_stopping_the_server_ends_an_open_stream_with_a_final_chunk(engine) -> N
         with pytest.raises(openai.APIConnectionError):
             client.models.list()
         wait_until(lambda: session_blocks(engine, "API · stopped") == 0, timeout=30)
-    finally:
-        thread.stop()

@@ -15,23 +15,17 @@ import time
 import openai
 import pytest
 
-from app.server import ServerOptions, ServerThread, create_app
-from engine import Engine, EngineConfig
+from tests.server_helpers import TIMEOUT_S, openai_client, running_engine, running_server
 
 pytestmark = pytest.mark.model
 
-KEY = "pc-test-key-0123456789"
-TIMEOUT_S = 300.0
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine(EngineConfig(kv_memory_mib=64, block_size=16, max_batch=8))
-    eng.start()
-    assert eng.wait_ready(600), eng.load_error
-    yield eng
-    eng.stop()
+    with running_engine() as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +35,13 @@ def files_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(engine, files_dir):
-    thread = ServerThread(create_app(engine, ServerOptions(api_key=KEY, files_dir=files_dir)))
-    thread.start()
-    yield thread
-    thread.stop()
+    with running_server(engine, files_dir=files_dir) as thread:
+        yield thread
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url, api_key=KEY, timeout=TIMEOUT_S, max_retries=0)
+    return openai_client(server)
 
 
 def chat_body(i: int) -> dict:
@@ -198,11 +190,8 @@ def test_a_restarted_server_finishes_a_batch_left_in_progress(engine, client, fi
     kept = [done[f"again-{i}"] for i in (0, 2)]
     (files_dir / "batches" / f"{left['id']}.results.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in kept))
-    second = ServerThread(create_app(engine, ServerOptions(api_key=KEY, files_dir=files_dir)))
-    second.start()
-    try:
-        other = openai.OpenAI(base_url=second.url, api_key=KEY, timeout=TIMEOUT_S,
-                              max_retries=0)
+    with running_server(engine, files_dir=files_dir) as second:
+        other = openai_client(second)
         finished = wait_for(other, left["id"])
         assert finished.status == "completed"
         got = results(other, finished.output_file_id)
@@ -213,5 +202,3 @@ def test_a_restarted_server_finishes_a_batch_left_in_progress(engine, client, fi
             assert got[f"again-{i}"]["id"] != done[f"again-{i}"]["id"]
             assert comparable(got[f"again-{i}"]["response"]["body"]) == comparable(
                 done[f"again-{i}"]["response"]["body"])
-    finally:
-        second.stop()

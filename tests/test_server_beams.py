@@ -9,41 +9,22 @@ from __future__ import annotations
 import openai
 import pytest
 
-from app.server import ServerOptions, ServerThread, create_app
-from engine import Engine, EngineConfig, SamplingParams
+from engine import SamplingParams
 from tests.reference import chat_prompt, reference_beam_search, reference_model, wait_until
+from tests.server_helpers import model_id, openai_client, running_engine, running_server, user
 
 pytestmark = pytest.mark.model
 
-KEY = "pc-test-key-0123456789"
-TIMEOUT_S = 300.0
-
-
-def user(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}]
-
-
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine(EngineConfig(kv_memory_mib=64, block_size=16, max_batch=8))
-    eng.start()
-    assert eng.wait_ready(600), eng.load_error
-    yield eng
-    eng.stop()
+    with running_engine() as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
 def client(engine):
-    thread = ServerThread(create_app(engine, ServerOptions(api_key=KEY)))
-    thread.start()
-    yield openai.OpenAI(base_url=thread.url, api_key=KEY, timeout=TIMEOUT_S, max_retries=0)
-    thread.stop()
-
-
-def model_id(engine: Engine) -> str:
-    from app.core.model_names import model_id as app_model_id
-
-    return app_model_id(engine.model_info.name)
+    with running_server(engine) as thread:
+        yield openai_client(thread)
 
 
 def text_of(tokens: list[int]) -> str:
