@@ -20,6 +20,7 @@ from engine.engine import Engine
 from engine.errors import ModelLoadError
 from engine.events import (
     Counters,
+    DiskStats,
     EngineStatus,
     Event,
     FinalEvent,
@@ -49,6 +50,7 @@ __all__ = [
     "REPO_ID_PATTERN",
     "Constraint",
     "Counters",
+    "DiskStats",
     "Engine",
     "EngineConfig",
     "EngineStatus",

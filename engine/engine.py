@@ -37,6 +37,7 @@ from engine.requests.validation import (
     vocab_size,
 )
 from engine.runner.constraints import grammars_for
+from engine.runner.disk_sync import IDLE_WRITE_BLOCKS
 from engine.runner.output import refuse
 from engine.runner.step import describe
 from engine.runner.telemetry import Telemetry
@@ -127,11 +128,13 @@ class Engine:
         session_id: str = "default",
         request_id: str | None = None,
         priority: Priority = Priority.NORMAL,
+        incognito: bool = False,
     ) -> RequestHandle:
         """Queue a request; never blocks. Give either chat ``messages`` (the model's chat
         template is applied) or raw ``prompt_tokens``. ``priority`` says who goes first when
         the batch, the pool or a step's prompt budget is short (``set_priority`` changes it
-        while the request runs).
+        while the request runs). ``incognito``: the request's blocks are never shared with
+        another chat nor written to the disk tier, and are zeroed when released.
 
         Bad input raises ValueError here, in the caller's thread, naming what is wrong; a
         request id that a live request holds is refused. Before start() this raises
@@ -140,6 +143,8 @@ class Engine:
         params = checked_params(params)
         priority = checked_priority(priority)
         check_ids(session_id, request_id)
+        if not isinstance(incognito, bool):
+            raise ValueError(f"incognito must be True or False, got {incognito!r}")
         if params.beam_width > self.config.max_batch:
             raise ValueError(f"beam_width must be at most the engine's max_batch "
                              f"({self.config.max_batch}): the beams decode side by side in one "
@@ -164,7 +169,7 @@ class Engine:
                                        on_done=self._release_id)
                 self._live[request_id] = handle
                 self._inbox.put(inbox.Submit(request_id, session_id, messages, prompt_tokens,
-                                             params, handle, priority))
+                                             params, handle, priority, incognito))
                 return handle
         handle = RequestHandle(request_id, session_id, params.n, self._request_cancel)
         refuse(handle, params.n, FinishReason.ERROR,
@@ -254,7 +259,8 @@ class Engine:
 
     def _serve(self) -> None:
         try:
-            self.runtime = rt = load_runtime(self.config, self.telemetry)
+            self.runtime = rt = load_runtime(self.config, self.telemetry,
+                                             on_disk_read=self._wake)
             self.model_info = rt.model_info
             self._publish(force=True)
         except Exception as e:  # the message is for the user; the traceback for the log
@@ -271,7 +277,12 @@ class Engine:
         running = True
         while running:
             try:
-                running = self._drain_inbox(block=not rt.scheduler.has_work)
+                idle = not rt.scheduler.has_work
+                if rt.disk is not None:
+                    if idle:  # write the open chats' blocks while nothing else runs
+                        self._write_while_idle(rt.disk)
+                    idle = idle or rt.scheduler.only_reading_disk  # the reader wakes it
+                running = self._drain_inbox(block=idle)
                 rt.stepper.release_finished()  # what the commands ended (cancels)
                 if running and rt.scheduler.has_work:
                     rt.stepper.step()  # it releases what it ended itself
@@ -285,7 +296,23 @@ class Engine:
         rt.output.finish_all(FinishReason.CANCELLED)
         rt.stepper.release_finished()
         inbox.answer_queued(self._inbox, FinishReason.CANCELLED, "the engine stopped")
+        if rt.disk is not None:
+            try:  # the open chats' blocks, on disk before the engine ends
+                rt.disk.close()
+            except Exception:
+                logger.exception("the KV disk tier failed to close")
         self._publish(force=True)
+
+    def _wake(self) -> None:
+        """The disk tier's reader answered: a sleeping engine thread looks again."""
+        self._inbox.put(inbox.WAKE)
+
+    def _write_while_idle(self, disk) -> None:
+        """Copy off the blocks named since the last step, a batch at a time, until done or
+        something arrives in the inbox."""
+        disk.restore()  # also zeroes released incognito blocks
+        while disk.pending_writes and self._inbox.empty():
+            disk.write_through(IDLE_WRITE_BLOCKS)
 
     def _publish(self, force: bool = False) -> None:
         """A snapshot if one was asked for (rate-limited), or ``force``: the engine going
@@ -296,6 +323,7 @@ class Engine:
             rt.alloc, rt.scheduler, rt.output.requests.values(), info.bytes_per_block,
             info.name, force=force, paged=info.paged, kv_dtype=info.kv_dtype,
             full_bytes_per_block=info.full_bytes_per_block,
+            disk=rt.disk.tier if rt.disk is not None else None,
         )
 
     def _drain_inbox(self, block: bool) -> bool:
@@ -309,6 +337,8 @@ class Engine:
             block = False
             if item is inbox.STOP:
                 return False
+            if item is inbox.WAKE:
+                continue
             if isinstance(item, inbox.Submit):
                 inbox.accept(item, rt.loaded.tokenizer, rt.max_context, rt.scheduler,
                              rt.output, self.telemetry)

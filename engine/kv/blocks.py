@@ -47,6 +47,16 @@ class BlockAllocator:
         self._unresolved: set[int] = set()  # blocks holding a PENDING token
         self.prefix_hits = 0  # full blocks reused from the cache
         self.prefix_queries = 0  # full prompt blocks looked up
+        #: The disk tier's logs (kept only while ``disk_log`` is on, engine/runner/disk_sync.py
+        #: drains them between steps): blocks named in the cache, (block, hash), to be
+        #: written in the background; cached blocks evicted for other content, (block, hash,
+        #: tokens), whose K/V must be copied off before the step overwrites them.
+        self.disk_log = False
+        self.named_log: deque[tuple[int, int]] = deque()
+        self.evicted: list[tuple[int, int, tuple[int, ...]]] = []
+        #: Blocks of incognito (private) tables back in the free list, to be zeroed in the
+        #: pool before anything reads them again.
+        self.to_zero: list[int] = []
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -101,6 +111,23 @@ class BlockAllocator:
         if count:
             self.record_prefix_lookup(table, prompt)
         return table.num_computed
+
+    def adopt(self, h: int, tokens: Sequence[int]) -> int | None:
+        """A full block read back from the disk tier becomes a cached, evictable block
+        named ``h`` (a prompt then reuses it as any cached block). Returns the block, whose
+        K/V the caller writes before the next step; None when the content is in the pool
+        already or no block is available. May evict the least recently used cached block
+        (logged in ``evicted``)."""
+        if len(tokens) != self.block_size:
+            raise ValueError("only full blocks are adopted")
+        if self.prefix_index.block_for(h) is not None or not self.num_available:
+            return None
+        block = self._take_block()
+        self._tokens[block] = tuple(tokens)
+        self._fill[block] = self.block_size
+        self.prefix_index.name(block, h)
+        self._evictable[block] = None
+        return block
 
     def record_prefix_lookup(self, table: BlockTable, prompt: Sequence[int]) -> None:
         """Count a prompt's full blocks as prefix-cache queries and its reused ones as hits."""
@@ -180,7 +207,10 @@ class BlockAllocator:
                 break
             parent = chain_hash(parent, chunk)
             table.hashes.append(parent)
-            self.prefix_index.pend(parent)
+            if table.private:  # never offered: nobody waits for it, nobody reuses it
+                table.num_offered_to_cache = len(table.hashes)
+            else:
+                self.prefix_index.pend(parent)
 
     def mark_computed(self, table: BlockTable) -> None:
         """Record that every reserved slot of ``table`` now holds its K/V, and name each newly
@@ -191,7 +221,8 @@ class BlockAllocator:
             self.prefix_index.unpend(h)
             # A block with the same content may already be cached (two chats computed the
             # same prefix at once): that one stays named; this one stays private.
-            self.prefix_index.name(table.blocks[i], h)
+            if self.prefix_index.name(table.blocks[i], h) and self.disk_log:
+                self.named_log.append((table.blocks[i], h))
         table.num_offered_to_cache = len(table.hashes)
 
     # ---- sharing ----------------------------------------------------------------------------
@@ -205,6 +236,7 @@ class BlockAllocator:
             num_computed=table.num_computed,
             hashes=list(table.hashes),
             num_offered_to_cache=table.num_offered_to_cache,
+            private=table.private,
         )
         for h in child.hashes[child.num_offered_to_cache :]:
             self.prefix_index.pend(h)
@@ -218,6 +250,8 @@ class BlockAllocator:
             self.prefix_index.unpend(h)
         for block in reversed(table.blocks):
             self._release(block, table.owner)
+            if table.private and not self._refcount[block]:
+                self.to_zero.append(block)
         table.blocks.clear()
         table.tokens.clear()
         table.num_computed = 0
@@ -280,6 +314,9 @@ class BlockAllocator:
             block = self._free.popleft()
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
+            if self.disk_log:
+                self.evicted.append((block, self.prefix_index.hash_of(block),
+                                     self._tokens[block]))
             self.prefix_index.drop(block)
         else:
             raise NoFreeBlocksError("the KV pool is full")

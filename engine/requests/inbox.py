@@ -33,6 +33,7 @@ class Submit:
     params: SamplingParams
     handle: RequestHandle
     priority: Priority = Priority.NORMAL
+    incognito: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Cancel:
 
 
 STOP = object()  # ends the thread's loop; everything queued behind it is answered
+WAKE = object()  # wakes a sleeping thread (the disk tier's reader answered); nothing else
 
 
 def answer_queued(inbox: queue.Queue, reason: FinishReason, message: str | None,
@@ -79,6 +81,7 @@ def accept(item: Submit, tokenizer, max_context: int, scheduler: Scheduler, outp
             refuse(item.handle, item.handle.n, FinishReason.ERROR, refusal, request)
             return
         request.priority = item.priority
+        request.incognito = item.incognito
         scheduler.add(request.sequences[0])  # samples 1.. fork after the prompt
     except Exception as e:
         logger.exception("request %s could not be accepted", item.request_id)

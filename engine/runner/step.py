@@ -93,6 +93,8 @@ class StepRunner:
         #: steps launched while the previous step's tokens were still unread on the device
         self.launched_ahead = 0
         self._times = StepTimes()
+        #: The disk tier's engine-thread side (engine/runner/disk_sync.py), or None.
+        self.disk = None
 
     def step(self) -> None:
         """schedule -> launch -> finish the previous step (see the module's docstring)."""
@@ -101,8 +103,12 @@ class StepRunner:
         if self._inflight is not None and self._inflight.synchronous:
             self._end_inflight()  # a grammar's mask or a beam search's next tokens need it
             self.release_finished()  # what it ended gives its blocks back before planning
+        if self.disk is not None:
+            self.disk.restore()  # blocks read back from disk join the prefix cache first
         budget = self.prefill.budget(self.scheduler.decoding, self.scheduler.prompt_context)
         plan = self.scheduler.schedule(budget, continue_prompts=not self.prefill.holding)
+        if self.disk is not None:
+            self.disk.save_evicted()  # before the step writes into the blocks it evicted
         self._end_failed(plan.failed)
         launched = None
         if plan.works:
@@ -118,6 +124,8 @@ class StepRunner:
             if not self.overlap:
                 self._end_inflight()
         self.release_finished()
+        if self.disk is not None:
+            self.disk.write_through()  # a few newly cached blocks, for the writer thread
         if not plan.works:
             return
         t1 = time.perf_counter()

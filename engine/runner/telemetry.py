@@ -206,9 +206,11 @@ class Telemetry:
         paged: bool = True,
         kv_dtype: str = "",
         full_bytes_per_block: int = 0,
+        disk=None,
     ) -> None:
         """Build a snapshot if one was asked for and the last is ``SNAPSHOT_INTERVAL_S``
-        old, or if ``force`` (the engine went idle, or loaded, or stopped)."""
+        old, or if ``force`` (the engine went idle, or loaded, or stopped). ``disk``: the
+        disk tier (engine/kv/disk_tier.py), whose stats the snapshot carries."""
         if not force and not self.wanted:
             return
         now = self.clock()
@@ -248,6 +250,7 @@ class Telemetry:
             paged=paged,
             kv_dtype=kv_dtype,
             full_bytes_per_block=full_bytes_per_block or bytes_per_block,
+            disk=disk.stats() if disk is not None else None,
         )
 
     def _session_stats(self, requests: Iterable[Request], alloc: BlockAllocator,

@@ -1,0 +1,122 @@
+"""The engine thread's side of the disk tier: blocks copied off the pool, and read back in.
+
+The disk tier's threads (engine/kv/disk_tier.py) never touch MLX; this module is where the
+engine thread moves K/V between the pool and host memory, at three points of its loop
+(docs/ARCHITECTURE.md §3.14):
+
+* **after scheduling, before the step writes** (:meth:`DiskSync.save_evicted`): cached
+  blocks the scheduler just evicted for other content are copied off while they still hold
+  their K/V, unless their file is on disk already;
+* **between steps** (:meth:`DiskSync.write_through`): blocks newly named in the prefix cache
+  are copied off a few at a time (``STEP_WRITE_BYTES`` a step, so no step waits long), all
+  of them while the engine is idle and before it stops (:meth:`DiskSync.close`), so an open
+  chat's blocks are on disk before the app quits;
+* **before scheduling** (:meth:`DiskSync.restore`): prompts the reader thread has answered
+  get their blocks adopted into the prefix cache (engine/kv/blocks.py ``adopt``) and their
+  K/V written into the pool; the scheduler then admits them as prompts whose prefix is
+  cached, and prefills only the rest. Incognito blocks are zeroed here too.
+
+Copying off is one gather per call (``KVPool.read_blocks``: every layer's rows stacked and
+evaluated, then one numpy copy); the files are written by the writer thread.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.kv.blocks import BlockAllocator
+from engine.kv.disk_tier import DiskTier, WriteBatch
+from engine.kv.pool import KVPool
+from engine.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of blocks a step copies off for the background writer at most (the evicted blocks
+#: it must save are not counted: they cannot wait). About 5 blocks of the default model's
+#: fp32 pool; measured in bench/disk_resume.py (step-time p99 with the writer busy).
+STEP_WRITE_BYTES = 4 * 2**20
+#: Blocks copied per call while the engine is idle (it checks its inbox between calls).
+IDLE_WRITE_BLOCKS = 64
+
+
+class DiskSync:
+    def __init__(self, tier: DiskTier, pool: KVPool, alloc: BlockAllocator,
+                 scheduler: Scheduler) -> None:
+        self.tier = tier
+        self.pool = pool
+        self.alloc = alloc
+        self.scheduler = scheduler
+        alloc.disk_log = True
+        scheduler.disk = tier
+
+    @property
+    def pending_writes(self) -> bool:
+        """Named blocks not yet offered to the writer."""
+        return bool(self.alloc.named_log) and self.tier.writable
+
+    def save_evicted(self) -> None:
+        """Copy off the cached blocks evicted since the last call (before anything writes
+        into them) that are not on disk yet."""
+        evicted, self.alloc.evicted = self.alloc.evicted, []
+        self._save([(b, h, t) for b, h, t in evicted if self.tier.wants(h)])
+
+    def write_through(self, max_blocks: int | None = None) -> None:
+        """Copy off blocks named since the last call, oldest first: ``max_blocks`` of them,
+        or (None) as many as ``STEP_WRITE_BYTES`` allows."""
+        if max_blocks is None:
+            max_blocks = max(1, STEP_WRITE_BYTES // self.pool.bytes_per_block)
+        log = self.alloc.named_log
+        index = self.alloc.prefix_index
+        todo: list[tuple[int, int, tuple[int, ...]]] = []
+        while log and len(todo) < max_blocks:
+            block, h = log.popleft()
+            # Still that content (not evicted and reused since), and not on disk yet.
+            if index.block_for(h) == block and self.tier.wants(h):
+                todo.append((block, h, self.alloc.block_tokens(block)))
+        self._save(todo)
+
+    def _save(self, todo: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        if not todo:
+            return
+        arrays = self.pool.read_blocks([b for b, _, _ in todo])
+        self.tier.write(WriteBatch(arrays, [(j, h, t) for j, (_, h, t) in enumerate(todo)],
+                                   sum(a.nbytes for a in arrays)))
+
+    def restore(self) -> None:
+        """Adopt the blocks the reader has brought back, write their K/V into the pool, and
+        let their sequences be admitted; zero released incognito blocks."""
+        if self.alloc.to_zero:
+            blocks, self.alloc.to_zero = self.alloc.to_zero, []
+            self.pool.zero_blocks([b for b in blocks if not self.alloc.refcount(b)])
+        while (result := self.tier.take_read()) is not None:
+            blocks, columns = [], []
+            # Adopted blocks join the LRU's newest end: at most as many as are available
+            # now, so that adopting never evicts a block adopted a moment before.
+            room = self.alloc.num_available
+            for j, (h, tokens) in enumerate(zip(result.hashes, result.tokens, strict=True)):
+                if len(blocks) >= room:
+                    break
+                block = self.alloc.adopt(h, tokens)
+                if block is None:
+                    if self.alloc.prefix_index.block_for(h) is None:
+                        break  # the pool is full: the rest is recomputed
+                    continue  # already in the pool (another chat computed it meanwhile)
+                blocks.append(block)
+                columns.append(j)
+            self.save_evicted()  # adopting may have evicted blocks: copied off first
+            if blocks:
+                parts = [a[:, columns] for a in result.arrays]
+                self.pool.write_blocks(blocks, parts)
+                self.tier.count_hits(len(blocks))
+            seq = self.scheduler.waiting.get(result.key)
+            if seq is not None:
+                seq.request.disk_prompt_tokens += len(blocks) * self.alloc.block_size
+            self.scheduler.disk_read_done(result.key)
+
+    def close(self) -> None:
+        """Before the engine stops: every named block not on disk yet is copied off, and the
+        writer finishes (an open chat continues after a restart)."""
+        self.restore()
+        while self.pending_writes:
+            self.write_through(IDLE_WRITE_BLOCKS)
+        self.tier.close()
