@@ -278,6 +278,8 @@ class Engine:
         while running:
             try:
                 idle = not rt.scheduler.has_work
+                if idle and rt.pool is not None:
+                    rt.stepper.zero_released()  # an incognito chat ended: zeroed at once
                 if rt.disk is not None:
                     if idle:  # write the open chats' blocks while nothing else runs
                         self._write_while_idle(rt.disk)
@@ -296,6 +298,8 @@ class Engine:
         rt.output.finish_all(FinishReason.CANCELLED)
         rt.stepper.release_finished()
         inbox.answer_queued(self._inbox, FinishReason.CANCELLED, "the engine stopped")
+        if rt.pool is not None:
+            rt.stepper.zero_released()
         if rt.disk is not None:
             try:  # the open chats' blocks, on disk before the engine ends
                 rt.disk.close()
@@ -310,7 +314,7 @@ class Engine:
     def _write_while_idle(self, disk) -> None:
         """Copy off the blocks named since the last step, a batch at a time, until done or
         something arrives in the inbox."""
-        disk.restore()  # also zeroes released incognito blocks
+        disk.restore()
         while disk.pending_writes and self._inbox.empty():
             disk.write_through(IDLE_WRITE_BLOCKS)
 

@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ class DiskTier:
         self._queued: set[int] = set()  # handed to the writer, not written yet
         self._queued_bytes = 0
         self._bytes = 0
+        self._newest_ns = 0  # the newest file time seen: a read makes its file newer still
         self.hits = self.reads = self.writes = self.discarded = self.errors = 0
         self.error = ""
         self.writable = True
@@ -172,7 +174,8 @@ class DiskTier:
             if path.parent == self.folder and st.st_size != self.layout.file_bytes:
                 self._delete(path)
                 continue
-            found.append((st.st_mtime, path, st.st_size))
+            found.append((st.st_mtime_ns, path, st.st_size))
+            self._newest_ns = max(self._newest_ns, st.st_mtime_ns)
         for _, path, size in sorted(found):
             self._add(path, size)
 
@@ -244,6 +247,8 @@ class DiskTier:
             with self._lock:
                 self._add(path, size)
                 self.writes += 1
+            with contextlib.suppress(OSError):
+                self._newest_ns = max(self._newest_ns, path.stat().st_mtime_ns)
 
     def _make_room(self, size: int) -> None:
         """Delete the least recently used files until ``size`` more bytes fit the budget."""
@@ -307,8 +312,11 @@ class DiskTier:
             with self._lock:
                 if path in self._lru:
                     self._lru.move_to_end(path)
+            # The LRU order survives a restart: newer than any file seen (file times can be
+            # coarser than the gap between two writes).
+            now = self._newest_ns = max(time.time_ns(), self._newest_ns + 1000)
             with contextlib.suppress(OSError):
-                os.utime(path)  # the LRU order survives a restart
+                os.utime(path, ns=(now, now))
         n = len(got)
         arrays = [np.stack([g[i] for g in got], axis=1) for i in range(len(got[0]))] if n else []
         return ReadResult(key, hashes[:n], tokens[:n], arrays)

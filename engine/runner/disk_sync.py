@@ -14,7 +14,7 @@ engine thread moves K/V between the pool and host memory, at three points of its
 * **before scheduling** (:meth:`DiskSync.restore`): prompts the reader thread has answered
   get their blocks adopted into the prefix cache (engine/kv/blocks.py ``adopt``) and their
   K/V written into the pool; the scheduler then admits them as prompts whose prefix is
-  cached, and prefills only the rest. Incognito blocks are zeroed here too.
+  cached, and prefills only the rest.
 
 Copying off is one gather per call (``KVPool.read_blocks``: every layer's rows stacked and
 evaluated, then one numpy copy); the files are written by the writer thread.
@@ -84,10 +84,7 @@ class DiskSync:
 
     def restore(self) -> None:
         """Adopt the blocks the reader has brought back, write their K/V into the pool, and
-        let their sequences be admitted; zero released incognito blocks."""
-        if self.alloc.to_zero:
-            blocks, self.alloc.to_zero = self.alloc.to_zero, []
-            self.pool.zero_blocks([b for b in blocks if not self.alloc.refcount(b)])
+        let their sequences be admitted."""
         while (result := self.tier.take_read()) is not None:
             blocks, columns = [], []
             # Adopted blocks join the LRU's newest end: at most as many as are available

@@ -103,6 +103,7 @@ class StepRunner:
         if self._inflight is not None and self._inflight.synchronous:
             self._end_inflight()  # a grammar's mask or a beam search's next tokens need it
             self.release_finished()  # what it ended gives its blocks back before planning
+        self.zero_released()
         if self.disk is not None:
             self.disk.restore()  # blocks read back from disk join the prefix cache first
         budget = self.prefill.budget(self.scheduler.decoding, self.scheduler.prompt_context)
@@ -136,6 +137,14 @@ class StepRunner:
         self.prefill.observe(t1 - t0, decodes, prompt_tokens,
                              positions / prompt_tokens if prompt_tokens else 0.0)
         self.telemetry.step(len(plan.works), t1 - t0, times)
+
+    def zero_released(self) -> None:
+        """Zero the blocks incognito chats gave back, before anything can take them again
+        (engine/kv/blocks.py ``to_zero``)."""
+        alloc = self.scheduler.alloc
+        if alloc.to_zero:
+            blocks, alloc.to_zero = alloc.to_zero, []
+            self.pool.zero_blocks([b for b in blocks if not alloc.refcount(b)])
 
     def release_finished(self) -> None:
         """The one place sequences leave the scheduler: those the output ended since the
