@@ -164,7 +164,9 @@ class KVPool:
         idx = mx.array(blocks, dtype=mx.int32)
         for arrays, part in zip(self._held(), parts, strict=True):
             for layer, a in enumerate(arrays):
-                value = mx.array(part[layer])
+                # contiguous first: MLX converts a strided numpy array element by element
+                # (measured: 48 ms against 1.5 ms a layer of 48 blocks)
+                value = mx.array(np.ascontiguousarray(part[layer]))
                 if a.dtype == mx.bfloat16:
                     value = value.view(mx.bfloat16)
                 arrays[layer][idx] = value

@@ -102,7 +102,8 @@ class DiskSync:
                 columns.append(j)
             self.save_evicted()  # adopting may have evicted blocks: copied off first
             if blocks:
-                parts = [a[:, columns] for a in result.arrays]
+                whole = columns == list(range(len(result.hashes)))
+                parts = result.arrays if whole else [a[:, columns] for a in result.arrays]
                 self.pool.write_blocks(blocks, parts)
                 self.tier.count_hits(len(blocks))
             seq = self.scheduler.waiting.get(result.key)
