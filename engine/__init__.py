@@ -19,6 +19,7 @@ from engine.config import (
 from engine.engine import Engine
 from engine.errors import ModelLoadError
 from engine.events import (
+    ContextResidency,
     Counters,
     DiskStats,
     EngineStatus,
@@ -49,6 +50,7 @@ __all__ = [
     "PROVEN_ARCHITECTURES",
     "REPO_ID_PATTERN",
     "Constraint",
+    "ContextResidency",
     "Counters",
     "DiskStats",
     "Engine",

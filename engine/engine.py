@@ -24,7 +24,14 @@ import mlx.core as mx
 
 from engine.config import EngineConfig, Priority, SamplingParams, check_top_k, checked_priority
 from engine.errors import ModelLoadError
-from engine.events import EngineStatus, FinishReason, ModelInfo, PoolSnapshot, ToolCallFormat
+from engine.events import (
+    ContextResidency,
+    EngineStatus,
+    FinishReason,
+    ModelInfo,
+    PoolSnapshot,
+    ToolCallFormat,
+)
 from engine.handle import RequestHandle
 from engine.loading import Runtime, load_runtime
 from engine.requests import inbox
@@ -37,7 +44,7 @@ from engine.requests.validation import (
     vocab_size,
 )
 from engine.runner.constraints import grammars_for
-from engine.runner.disk_sync import IDLE_WRITE_BLOCKS
+from engine.runner.disk_sync import IDLE_WRITE_BLOCKS, forget, put_to_sleep, residency
 from engine.runner.output import refuse
 from engine.runner.step import describe
 from engine.runner.telemetry import Telemetry
@@ -191,6 +198,39 @@ class Engine:
     def cancel_session(self, session_id: str) -> None:
         """Cancel every request of a chat (for a deleted chat) and forget its stats."""
         self._inbox.put(inbox.Cancel(session_id=session_id))
+
+    # ---- a conversation's context (the disk tier, docs/ARCHITECTURE.md §3.14) -----------------
+
+    def context_residency(self, prompt_tokens: Seq[int]) -> ContextResidency:
+        """Where a conversation's context is (its prompt's full blocks in the pool, on disk,
+        or neither): hashing and index lookups in the caller's thread, never waits; all
+        "recompute" before the model is loaded or when the model runs unpaged."""
+        tokens = checked_prompt(None, prompt_tokens)[1]
+        runtime = self.runtime
+        if runtime is None or runtime.pool is None:
+            return ContextResidency(max(0, (len(tokens) - 1) // self.config.block_size), 0, 0)
+        tier = runtime.disk.tier if runtime.disk is not None else None
+        return residency(runtime.alloc, tier, tokens)
+
+    def sleep_context(self, prompt_tokens: Seq[int]) -> None:
+        """Put a conversation to sleep: its cached blocks leave the pool (written to the disk
+        tier first, when it is on); never blocks."""
+        tokens = tuple(checked_prompt(None, prompt_tokens)[1])
+        self._inbox.put(inbox.Context("sleep", tokens))
+
+    def forget_context(self, prompt_tokens: Seq[int],
+                       keep: Seq[Seq[int]] = ()) -> None:
+        """Delete a conversation's blocks (a deleted chat) from the pool's cache and the disk
+        tier, but for those any conversation of ``keep`` shares; never blocks."""
+        tokens = tuple(checked_prompt(None, prompt_tokens)[1])
+        kept = tuple(tuple(checked_prompt(None, k)[1]) for k in keep)
+        self._inbox.put(inbox.Context("forget", tokens, kept))
+
+    def clear_disk_cache(self) -> None:
+        """Delete every file of the disk tier (every model's); no-op when it is off."""
+        runtime = self.runtime
+        if runtime is not None and runtime.disk is not None:
+            runtime.disk.tier.clear()
 
     def _request_cancel(self, handle: RequestHandle) -> None:
         self._inbox.put(inbox.Cancel(handle=handle))
@@ -350,3 +390,8 @@ class Engine:
                 inbox.cancel(item, rt.output, self.telemetry)
             elif isinstance(item, inbox.SetPriority):
                 inbox.set_priority(item, rt.scheduler, self.telemetry)
+            elif isinstance(item, inbox.Context) and rt.pool is not None:
+                if item.action == "sleep":
+                    put_to_sleep(rt.disk, rt.alloc, item.tokens)
+                else:
+                    forget(rt.disk, rt.alloc, item.tokens, item.keep)

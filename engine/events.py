@@ -152,6 +152,27 @@ class DiskStats:
 
 
 @dataclass(frozen=True)
+class ContextResidency:
+    """Where a conversation's context is (``Engine.context_residency``): of its full blocks,
+    the leading ones in the pool's prefix cache, then those on the disk tier; the rest
+    would be computed again."""
+
+    blocks: int
+    in_memory: int
+    on_disk: int
+
+    @property
+    def state(self) -> str:
+        """"memory" (it continues at once), "disk" (asleep: read back, no prefill) or
+        "recompute" (some of it would be read again by the model)."""
+        if self.in_memory >= self.blocks:
+            return "memory"
+        if self.in_memory + self.on_disk >= self.blocks:
+            return "disk"
+        return "recompute"
+
+
+@dataclass(frozen=True)
 class Counters:
     steps: int
     batch_size: int

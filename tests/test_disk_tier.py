@@ -36,7 +36,7 @@ from engine.kv.blocks import BlockAllocator
 from engine.kv.disk_format import BadBlockFile, BlockLayout
 from engine.kv.disk_tier import DiskTier, WriteBatch
 from engine.kv.invariants import check_invariants
-from tests.reference import chat_prompt, greedy_reference
+from tests.reference import chat_prompt, greedy_reference, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 16
@@ -391,3 +391,32 @@ def test_an_incognito_chat_writes_nothing_and_leaves_zeros(prompt, expected, tmp
     pool = engine.runtime.pool
     # every block zeroed (the scratch block, last, takes padding rows' writes: not a chat's)
     assert all(not mx.any(a[:-1]).item() for a in pool.arrays())
+
+
+def test_a_chats_context_is_shown_put_to_sleep_and_forgotten(warm, prompt, expected,
+                                                             tmp_path) -> None:
+    root = copy_of(warm, tmp_path)
+    engine = Engine(config(root))
+    engine.start()
+    assert engine.wait_ready(120), engine.load_error
+    try:
+        n = full_blocks(prompt)
+        where = lambda: engine.context_residency(prompt)  # noqa: E731
+        assert (where().state, where().on_disk, where().blocks) == ("disk", n, n)
+        tokens, _ = generate(engine, prompt)
+        assert tokens == expected
+        wait_until(lambda: where().in_memory == n)
+        assert where().state == "memory"
+        engine.sleep_context(prompt)  # out of the pool, still on disk
+        wait_until(lambda: where().in_memory == 0)
+        assert where().state == "disk"
+        other = prompt[: 2 * BS + 1]  # another chat sharing the first two blocks
+        engine.forget_context(prompt, keep=[other])
+        wait_until(lambda: where().on_disk == 2)
+        assert where().state == "recompute"
+        assert engine.context_residency(other).state == "disk"
+        tokens, final = generate(engine, prompt)  # still answers: read back, then computed
+        assert tokens == expected and final.usage.disk_prompt_tokens == 2 * BS
+    finally:
+        engine.stop()
+    check_invariants(engine.runtime.alloc, [])

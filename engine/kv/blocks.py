@@ -129,6 +129,19 @@ class BlockAllocator:
         self._evictable[block] = None
         return block
 
+    def drop_cached(self, h: int) -> int | None:
+        """Forget the cached block named ``h`` if no table holds it (a chat put to sleep or
+        deleted): back to the free list. Returns the block, or None."""
+        block = self.prefix_index.block_for(h)
+        if block is None or self._refcount[block]:
+            return None
+        del self._evictable[block]
+        self.prefix_index.drop(block)
+        self._tokens[block] = ()
+        self._fill[block] = 0
+        self._free.append(block)
+        return block
+
     def record_prefix_lookup(self, table: BlockTable, prompt: Sequence[int]) -> None:
         """Count a prompt's full blocks as prefix-cache queries and its reused ones as hits."""
         self.prefix_queries += (len(prompt) - 1) // self.block_size

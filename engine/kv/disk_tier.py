@@ -147,7 +147,12 @@ class DiskTier:
 
     def clear(self) -> None:
         """Delete every block file of every model under the root (Settings' Clear)."""
-        self._writes.put(("clear",))
+        self._writes.put(("clear", None))
+
+    def delete(self, hashes: Sequence[int]) -> None:
+        """Delete these blocks' files of the loaded model (a deleted chat's), in the writer
+        thread, after the writes queued before."""
+        self._writes.put(("delete", list(hashes)))
 
     def close(self, timeout: float | None = 60.0) -> None:
         """Finish the queued writes, then end both threads."""
@@ -217,7 +222,8 @@ class DiskTier:
             if item is _STOP:
                 return
             if isinstance(item, tuple):
-                self._clear()
+                _, hashes = item
+                self._clear(hashes)
                 continue
             try:
                 self._write_batch(item)
@@ -261,9 +267,13 @@ class DiskTier:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
-    def _clear(self) -> None:
+    def _clear(self, hashes: list[int] | None) -> None:
+        """Delete every file (None), or these blocks' files of the loaded model."""
         with self._lock:
-            paths = list(self._lru)
+            if hashes is None:
+                paths = list(self._lru)
+            else:
+                paths = [self.folder / disk_format.file_name(h) for h in hashes]
             for p in paths:
                 self._forget(p)
         for p in paths:

@@ -48,6 +48,17 @@ class Cancel:
     session_id: str | None = None
 
 
+@dataclass(frozen=True)
+class Context:
+    """Something done to a conversation's cached context (engine/runner/disk_sync.py):
+    ``action`` "sleep" (out of the pool, onto the disk tier) or "forget" (deleted, but for
+    the blocks ``keep`` shares)."""
+
+    action: str
+    tokens: tuple[int, ...]
+    keep: tuple[tuple[int, ...], ...] = ()
+
+
 STOP = object()  # ends the thread's loop; everything queued behind it is answered
 WAKE = object()  # wakes a sleeping thread (the disk tier's reader answered); nothing else
 

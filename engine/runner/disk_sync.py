@@ -23,7 +23,10 @@ evaluated, then one numpy copy); the files are written by the writer thread.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
+from engine.events import ContextResidency
+from engine.kv.block_table import chain_hash
 from engine.kv.blocks import BlockAllocator
 from engine.kv.disk_tier import DiskTier, WriteBatch
 from engine.kv.pool import KVPool
@@ -118,3 +121,58 @@ class DiskSync:
         while self.pending_writes:
             self.write_through(IDLE_WRITE_BLOCKS)
         self.tier.close()
+
+
+def full_block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """The chain hashes of ``tokens``' full blocks that a prompt could take from a cache (the
+    last token is always computed, as ``BlockAllocator.reuse_prefix`` does)."""
+    hashes: list[int] = []
+    parent = None
+    for i in range((len(tokens) - 1) // block_size):
+        parent = chain_hash(parent, tokens[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def residency(alloc: BlockAllocator, tier: DiskTier | None, tokens: Sequence[int]
+              ) -> ContextResidency:
+    """Where ``tokens``' context is: hashing and lookups only (any thread: a dict and a set
+    read, never MLX), so the app can ask for every open chat."""
+    hashes = full_block_hashes(tokens, alloc.block_size)
+    memory = 0
+    while memory < len(hashes) and alloc.prefix_index.block_for(hashes[memory]) is not None:
+        memory += 1
+    disk = 0
+    if tier is not None:
+        while memory + disk < len(hashes) and tier.has(hashes[memory + disk]):
+            disk += 1
+    return ContextResidency(len(hashes), memory, disk)
+
+
+def put_to_sleep(sync: DiskSync | None, alloc: BlockAllocator, tokens: Sequence[int]) -> None:
+    """Release a conversation's cached blocks from the pool (engine thread): with the disk
+    tier on they are written first, so it is read back later instead of recomputed."""
+    hashes = full_block_hashes(tokens, alloc.block_size)
+    if sync is not None:
+        todo = []
+        for h in hashes:
+            block = alloc.prefix_index.block_for(h)
+            if block is not None and sync.tier.wants(h):
+                todo.append((block, h, alloc.block_tokens(block)))
+        sync._save(todo)
+    for h in hashes:
+        alloc.drop_cached(h)
+
+
+def forget(sync: DiskSync | None, alloc: BlockAllocator, tokens: Sequence[int],
+           keep: Sequence[Sequence[int]] = ()) -> None:
+    """Delete a conversation's blocks that none of ``keep`` (the other chats) shares: from
+    the pool's cache (unless a running request holds them) and from the disk tier."""
+    kept: set[int] = set()
+    for other in keep:
+        kept.update(full_block_hashes(other, alloc.block_size))
+    mine = [h for h in full_block_hashes(tokens, alloc.block_size) if h not in kept]
+    for h in mine:
+        alloc.drop_cached(h)
+    if sync is not None:
+        sync.tier.delete(mine)
