@@ -300,7 +300,7 @@ class Engine:
     def _serve(self) -> None:
         try:
             self.runtime = rt = load_runtime(self.config, self.telemetry,
-                                             on_disk_read=self._wake)
+                                             wake=self._wake)
             self.model_info = rt.model_info
             self._publish(force=True)
         except Exception as e:  # the message is for the user; the traceback for the log
@@ -348,7 +348,8 @@ class Engine:
         self._publish(force=True)
 
     def _wake(self) -> None:
-        """The disk tier's reader answered: a sleeping engine thread looks again."""
+        """The disk tier's reader answered, or its writer has room again: a sleeping engine
+        thread looks again."""
         self._inbox.put(inbox.WAKE)
 
     def _write_while_idle(self, disk) -> None:

@@ -81,7 +81,7 @@ def kv_quantized(precision: str, shape: KVShape, budget_mib: float, max_batch: i
 
 
 def load_runtime(cfg: EngineConfig, telemetry: Telemetry,
-                 on_disk_read: Callable[[], None] | None = None) -> Runtime:
+                 wake: Callable[[], None] | None = None) -> Runtime:
     """Load ``cfg.model`` and build the pool and everything bound to it.
 
     Every refusal (a model that cannot load, a budget the machine cannot hold) is a
@@ -129,7 +129,7 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry,
     )
     disk = None
     if cfg.disk_cache_dir is not None:
-        disk = stepper.disk = DiskSync(open_disk_tier(cfg, loaded, pool, on_disk_read), pool,
+        disk = stepper.disk = DiskSync(open_disk_tier(cfg, loaded, pool, wake), pool,
                                        alloc, scheduler)
     return Runtime(loaded, pool, alloc, scheduler, paged_model, output, stepper, max_context,
                    info, disk)
@@ -144,7 +144,7 @@ def block_layout(pool: KVPool) -> disk_format.BlockLayout:
 
 
 def open_disk_tier(cfg: EngineConfig, loaded: LoadedModel, pool: KVPool,
-                   on_read: Callable[[], None] | None) -> DiskTier:
+                   wake: Callable[[], None] | None) -> DiskTier:
     """The disk tier for this model and pool: its folder is named by the fingerprint of
     everything a stored block depends on (engine/kv/disk_format.py)."""
     layout = block_layout(pool)
@@ -152,7 +152,7 @@ def open_disk_tier(cfg: EngineConfig, loaded: LoadedModel, pool: KVPool,
     fp = disk_format.fingerprint(Path(loaded.path), dtype_name(loaded.dtype), layout,
                                  str(template), kv_dtype_name(pool.shape))
     return DiskTier(Path(cfg.disk_cache_dir).expanduser(), fp, layout,
-                    int(cfg.disk_budget_mib * 2**20), on_read)
+                    int(cfg.disk_budget_mib * 2**20), wake)
 
 
 def kv_dtype_name(shape: KVShape) -> str:

@@ -371,6 +371,21 @@ def test_a_full_disk_or_an_unwritable_folder_only_costs_a_recompute(
     assert stats.error and not stats.writable and stats.errors == 1
 
 
+def test_a_full_writer_queue_delays_blocks_never_drops_them(prompt, expected, tmp_path,
+                                                            monkeypatch) -> None:
+    """With room for one batch at a time in the writer's queue, every block still reaches
+    the disk by the time the engine stops (they wait in the log, the writer wakes the
+    engine when it has room), and a restart reads the whole prompt back."""
+    from engine.kv import disk_tier
+
+    monkeypatch.setattr(disk_tier, "MAX_QUEUED_BYTES", 1)
+    _, _, engine = run(config(tmp_path / "kv"), prompt)
+    assert engine.snapshot().disk.writes >= full_blocks(prompt)
+    tokens, final, _ = run(config(tmp_path / "kv"), prompt)
+    assert tokens == expected
+    assert final.usage.disk_prompt_tokens == full_blocks(prompt) * BS
+
+
 def test_int8_blocks_round_trip_through_the_disk(prompt, tmp_path) -> None:
     cfg = config(tmp_path / "kv8", kv_precision="int8")
     first, final, _ = run(cfg, prompt)

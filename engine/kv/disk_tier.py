@@ -71,13 +71,16 @@ class ReadResult:
 
 class DiskTier:
     def __init__(self, root: Path, fp: bytes, layout: BlockLayout, budget_bytes: int,
-                 on_read: Callable[[], None] | None = None) -> None:
+                 wake: Callable[[], None] | None = None) -> None:
         self.root = Path(root)
         self.fp = fp
         self.folder = self.root / fp.hex()
         self.layout = layout
         self.budget = int(budget_bytes)
-        self.on_read = on_read
+        #: Wakes the engine thread: a read is answered, or the writer's queue has room again
+        #: after the engine found it full.
+        self.wake = wake
+        self._starved = False
         self._lock = threading.Lock()
         self._lru: OrderedDict[Path, int] = OrderedDict()  # every block file, oldest first
         self._ours: set[int] = set()  # chain hashes with a file in our folder
@@ -110,9 +113,18 @@ class DiskTier:
         return chain_hash in self._ours or chain_hash in self._queued
 
     def wants(self, chain_hash: int) -> bool:
-        """Worth copying off the pool: writable, not on disk, not queued, room in the queue."""
+        """Worth copying off the pool: writable, not on disk, not queued."""
         return (self.writable and chain_hash not in self._ours
-                and chain_hash not in self._queued and self._queued_bytes < MAX_QUEUED_BYTES)
+                and chain_hash not in self._queued)
+
+    @property
+    def has_room(self) -> bool:
+        """The writer's queue is under ``MAX_QUEUED_BYTES``: more copies may be handed over
+        (when it is not, the writer wakes the engine once the queue is half empty)."""
+        room = self._queued_bytes < MAX_QUEUED_BYTES
+        if not room:
+            self._starved = True
+        return room
 
     def write(self, batch: WriteBatch) -> None:
         """Queue blocks for the writer thread (returns at once)."""
@@ -124,7 +136,7 @@ class DiskTier:
 
     def read(self, key: int, hashes: Sequence[int], tokens: Sequence[Sequence[int]]) -> None:
         """Ask the reader thread for these consecutive blocks of one prompt; the result
-        comes back through :meth:`take_read` (and ``on_read`` is called)."""
+        comes back through :meth:`take_read` (and ``wake`` is called)."""
         self._reads.put((key, list(hashes), [tuple(t) for t in tokens]))
 
     def take_read(self) -> ReadResult | None:
@@ -234,6 +246,11 @@ class DiskTier:
                     for _, h, _ in item.entries:
                         self._queued.discard(h)
                     self._queued_bytes -= item.nbytes
+                    drained = self._starved and self._queued_bytes < MAX_QUEUED_BYTES // 2
+                    if drained:
+                        self._starved = False
+                if drained and self.wake is not None:
+                    self.wake()
 
     def _write_batch(self, batch: WriteBatch) -> None:
         size = self.layout.file_bytes
@@ -294,8 +311,8 @@ class DiskTier:
                 logger.exception("the KV disk reader failed")
                 result = ReadResult(key, [], [], [])
             self._done.append(result)
-            if self.on_read is not None:
-                self.on_read()
+            if self.wake is not None:
+                self.wake()
 
     def _read_blocks(self, key: int, hashes: list[int], tokens: list[tuple[int, ...]]
                      ) -> ReadResult:

@@ -54,24 +54,28 @@ class DiskSync:
 
     @property
     def pending_writes(self) -> bool:
-        """Named blocks not yet offered to the writer."""
-        return bool(self.alloc.named_log) and self.tier.writable
+        """Named blocks not yet offered to the writer, and room to offer them."""
+        return bool(self.alloc.named_log) and self.tier.writable and self.tier.has_room
 
     def save_evicted(self) -> None:
         """Copy off the cached blocks evicted since the last call (before anything writes
-        into them) that are not on disk yet."""
+        into them) that are not on disk yet. With the writer's queue full they are dropped
+        (recomputed when needed): a slow disk never makes the engine hold more copies."""
         evicted, self.alloc.evicted = self.alloc.evicted, []
-        self._save([(b, h, t) for b, h, t in evicted if self.tier.wants(h)])
+        if evicted and self.tier.has_room:
+            self._save([(b, h, t) for b, h, t in evicted if self.tier.wants(h)])
 
-    def write_through(self, max_blocks: int | None = None) -> None:
+    def write_through(self, max_blocks: int | None = None, wait: bool = False) -> None:
         """Copy off blocks named since the last call, oldest first: ``max_blocks`` of them,
-        or (None) as many as ``STEP_WRITE_BYTES`` allows."""
+        or (None) as many as ``STEP_WRITE_BYTES`` allows; none while the writer's queue is
+        full (they stay in the log for a later call) unless ``wait`` (the engine stops:
+        everything goes)."""
         if max_blocks is None:
             max_blocks = max(1, STEP_WRITE_BYTES // self.pool.bytes_per_block)
         log = self.alloc.named_log
         index = self.alloc.prefix_index
         todo: list[tuple[int, int, tuple[int, ...]]] = []
-        while log and len(todo) < max_blocks:
+        while log and len(todo) < max_blocks and (wait or self.tier.has_room):
             block, h = log.popleft()
             # Still that content (not evicted and reused since), and not on disk yet.
             if index.block_for(h) == block and self.tier.wants(h):
@@ -118,8 +122,8 @@ class DiskSync:
         """Before the engine stops: every named block not on disk yet is copied off, and the
         writer finishes (an open chat continues after a restart)."""
         self.restore()
-        while self.pending_writes:
-            self.write_through(IDLE_WRITE_BLOCKS)
+        while self.alloc.named_log and self.tier.writable:
+            self.write_through(IDLE_WRITE_BLOCKS, wait=True)
         self.tier.close()
 
 

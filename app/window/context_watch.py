@@ -1,0 +1,117 @@
+"""Where each open chat's context is, for the sidebar; putting a chat to sleep; forgetting a
+deleted chat's blocks (the disk tier, docs/ARCHITECTURE.md §3.14).
+
+Every few seconds, and after a reply ends, the open local chats' conversations are turned
+into tokens and looked up (``Engine.context_residency``: hashing and index lookups) in a
+worker thread, since tokenising a long chat takes milliseconds the GUI thread must not
+spend; the sidebar shows the answer under each title: "in memory", "asleep on disk" or
+"needs reading again". A chat's context menu can put it to sleep (its blocks leave the pool,
+written to disk first); deleting a chat deletes its blocks that no other open chat shares.
+Chats that are not open show nothing: their messages are in the database, not in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from PySide6.QtCore import QObject, QTimer
+
+#: How often the sidebar's context states are refreshed (they change when chats run, are
+#: evicted or written to disk; a reply's end refreshes at once).
+REFRESH_MS = 3000
+
+
+def conversation_tokens(engine: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The tokens a chat's blocks were computed for: its conversation so far, without the
+    generation prompt (the next turn's prompt starts with exactly these)."""
+    return engine.encode_chat(messages, add_generation_prompt=False)
+
+
+class ContextWatch(QObject):
+    def __init__(self, window: Any) -> None:
+        super().__init__(window)
+        self.window = window
+        self._task: asyncio.Future | None = None
+        self.timer = QTimer(self)
+        self.timer.setInterval(REFRESH_MS)
+        self.timer.timeout.connect(self.refresh)
+        self.timer.start()
+        window.manager.busyChanged.connect(lambda _sid, busy: None if busy else self.refresh())
+
+    def _engine(self) -> Any:
+        bridge = self.window.bridge
+        engine = bridge.engine
+        return engine if engine is not None and bridge.status == "ready" else None
+
+    def _conversations(self, exclude: str = "") -> dict[str, list[dict[str, str]]]:
+        """The open local chats with messages: id -> what the engine saw of them."""
+        out = {}
+        for sid, session in self.window.manager.sessions.items():
+            if sid == exclude or session.is_remote or not session.tree.by_id:
+                continue
+            out[sid] = session.prompt_messages(session.tree.active_leaf)
+        return out
+
+    def refresh(self) -> None:
+        """Look every open chat up again, in a worker thread (one look at a time)."""
+        engine = self._engine()
+        if engine is None or (self._task is not None and not self._task.done()):
+            return
+        chats = self._conversations()
+        if not chats:
+            return
+
+        def look() -> dict[str, str]:
+            return {sid: engine.context_residency(conversation_tokens(engine, m)).state
+                    for sid, m in chats.items()}
+
+        self._task = asyncio.ensure_future(self._show(asyncio.to_thread(look)))
+
+    async def _show(self, looking: Any) -> None:
+        try:
+            states = await looking
+        except (ValueError, RuntimeError):  # the engine stopped or a chat was emptied
+            return
+        model = self.window.sidebar.model
+        for sid, state in states.items():
+            model.set_context(sid, state)
+
+    def sleep(self, conversation_id: str) -> None:
+        """Put a chat to sleep: its blocks leave the pool (written to disk first)."""
+        engine = self._engine()
+        messages = self._conversations().get(conversation_id)
+        if engine is None or messages is None:
+            return
+        asyncio.ensure_future(self._sleep(engine, conversation_id, messages))
+
+    async def _sleep(self, engine: Any, conversation_id: str,
+                     messages: list[dict[str, str]]) -> None:
+        try:
+            tokens = await asyncio.to_thread(conversation_tokens, engine, messages)
+            engine.sleep_context(tokens)
+        except (ValueError, RuntimeError):
+            return
+        self.window.sidebar.model.set_context(conversation_id, "disk")
+
+    def forget(self, conversation_id: str) -> None:
+        """A chat is being deleted: its blocks that no other open chat shares go, from the
+        pool and the disk (call before the chat's session is dropped)."""
+        engine = self._engine()
+        messages = self._conversations().get(conversation_id)
+        if engine is None or messages is None:
+            return
+        others = list(self._conversations(exclude=conversation_id).values())
+
+        def tokens() -> tuple[list[int], list[list[int]]]:
+            return (conversation_tokens(engine, messages),
+                    [conversation_tokens(engine, m) for m in others])
+
+        async def run() -> None:
+            try:
+                mine, keep = await asyncio.to_thread(tokens)
+                engine.forget_context(mine, keep=keep)
+            except (ValueError, RuntimeError):
+                return
+
+        asyncio.ensure_future(run())
