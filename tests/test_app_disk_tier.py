@@ -19,7 +19,8 @@ from app.window.context_watch import conversation_tokens
 from engine import DiskStats, Engine, EngineConfig
 from tests.app_helpers import WAIT_MS, greedy, open_window, wait_idle
 from tests.gui_helpers import trigger_menu_item, when_popup_menu
-from tests.user_path import delete_from_sidebar, type_and_send
+from tests.reference import chat_prompt, greedy_reference, reference_model
+from tests.user_path import delete_from_sidebar, shortcut, type_and_send
 
 STATS = DiskStats(folder="/cache/kv/abc", budget_bytes=4 << 30, bytes=300 << 20, files=420,
                   blocks=400, hits=1234, reads=7, writes=420, discarded=0, errors=0)
@@ -120,5 +121,38 @@ def test_the_sidebar_shows_a_chats_context_and_the_user_puts_it_to_sleep(
         delete_from_sidebar(qtbot, w, sid, "Delete")
         qtbot.waitUntil(lambda: disk_engine.context_residency(tokens).on_disk == 0,
                         timeout=WAIT_MS)
+    finally:
+        h.close()
+
+
+@pytest.mark.model
+def test_an_incognito_chat_is_kept_nowhere_and_its_memory_never_shared(
+        qtbot, qasync_loop, app_env, disk_engine) -> None:
+    """File ▸ New Incognito Chat (by its shortcut): the pane says so; the reply is the
+    model's own greedy reply; the chat is in no list nor the database; the engine caches none
+    of its blocks in memory or on disk; closing its pane ends it."""
+    h = open_window(qtbot, app_env, disk_engine)
+    try:
+        w = h.window
+        shortcut(qtbot, w, w.act_new_incognito)
+        pane = w.focused_pane
+        session = pane.session
+        assert session.incognito and "Incognito" in pane.title_label.text()
+        session.set_settings(greedy(16))
+        text = "Name three rivers of Europe, one per line."
+        type_and_send(qtbot, pane, text)
+        wait_idle(qtbot, pane)
+        reply = session.active_path()[-1]
+        expected = reference_model().tokenizer.decode(
+            greedy_reference(chat_prompt([{"role": "user", "content": text}]), 16))
+        assert reply.content.strip() == expected.strip()
+        assert h.store.get_conversation(session.id) is None
+        assert session.id not in [c.id for c in h.store.list_conversations()]
+        tokens = conversation_tokens(disk_engine, session.prompt_messages(session.tree.active_leaf))
+        where = disk_engine.context_residency(tokens)
+        assert where.blocks >= 1 and where.in_memory == 0 and where.on_disk == 0
+        w.new_chat(new_pane=True)
+        w.deck.close(pane)
+        assert session.id not in w.manager.sessions
     finally:
         h.close()

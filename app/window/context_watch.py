@@ -48,7 +48,8 @@ class ContextWatch(QObject):
         """The open local chats with messages: id -> what the engine saw of them."""
         out = {}
         for sid, session in self.window.manager.sessions.items():
-            if sid == exclude or session.is_remote or not session.tree.by_id:
+            if (sid == exclude or session.is_remote or session.incognito
+                    or not session.tree.by_id):
                 continue
             out[sid] = session.prompt_messages(session.tree.active_leaf)
         return out

@@ -282,6 +282,13 @@ class MainWindow(QMainWindow):
         session = self.manager.create(folder_id=folder_id)
         return self.open_chat(session.id, new_pane=new_pane)
 
+    def new_incognito_chat(self) -> ChatPane | None:
+        """An incognito chat in the focused pane (app/chat/incognito.py): never saved, its
+        memory never shared nor written to disk; it ends when its pane shows another chat or
+        closes."""
+        session = self.manager.create_incognito()
+        return self.open_chat(session.id)
+
     # ---- chat commands -------------------------------------------------------------------
 
     def send_to_all(self, text: str) -> int:

@@ -38,6 +38,7 @@ import numpy as np
 
 from engine.events import DiskStats
 from engine.kv import disk_format
+from engine.kv.block_table import chain_hash
 from engine.kv.disk_format import BadBlockFile, BlockLayout
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,23 @@ class DiskTier:
     def has(self, chain_hash: int) -> bool:
         """The block is on disk (or being written): a set lookup, any thread."""
         return chain_hash in self._ours or chain_hash in self._queued
+
+    def run_on_disk(self, cached: Sequence[int], tokens: Sequence[int], block_size: int
+                    ) -> tuple[list[int], list[Sequence[int]]]:
+        """The full blocks of a prompt (``tokens``, its last token excluded: it is always
+        computed) that follow its ``cached`` leading blocks' hashes and are on disk, up to
+        the first that is not: their hashes and tokens."""
+        parent = cached[-1] if cached else None
+        hashes: list[int] = []
+        chunks: list[Sequence[int]] = []
+        for i in range(len(cached), (len(tokens) - 1) // block_size):
+            chunk = tokens[i * block_size : (i + 1) * block_size]
+            parent = chain_hash(parent, chunk)
+            if not self.has(parent):
+                break
+            hashes.append(parent)
+            chunks.append(chunk)
+        return hashes, chunks
 
     def wants(self, chain_hash: int) -> bool:
         """Worth copying off the pool: writable, not on disk, not queued."""

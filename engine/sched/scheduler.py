@@ -380,22 +380,13 @@ class Scheduler:
         return used
 
     def _read_from_disk(self, seq: Sequence, table: BlockTable) -> bool:
-        """Ask the disk tier for the full prompt blocks that follow ``table``'s reused
-        prefix, when the next one is there; True when ``seq`` now waits for the reader.
-        Looked up once per admission (a preemption looks again): cheap, hashes and a set."""
+        """Ask the disk tier for the run of full prompt blocks on disk that follows
+        ``table``'s reused prefix; True when ``seq`` now waits for the reader. Looked up
+        once per admission (a preemption looks again): hashes and a set lookup."""
         if self.disk is None or seq.disk_lookup:
             return False
         seq.disk_lookup = "done"
-        bs = self.alloc.block_size
-        parent = table.hashes[-1] if table.hashes else None
-        hashes, chunks = [], []
-        for i in range(len(table.hashes), (len(seq.tokens) - 1) // bs):
-            chunk = seq.tokens[i * bs : (i + 1) * bs]
-            parent = chain_hash(parent, chunk)
-            if not self.disk.has(parent):
-                break
-            hashes.append(parent)
-            chunks.append(chunk)
+        hashes, chunks = self.disk.run_on_disk(table.hashes, seq.tokens, self.alloc.block_size)
         if not hashes:
             return False
         seq.disk_lookup = "reading"
