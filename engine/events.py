@@ -129,6 +129,8 @@ class SessionStats:
     #: its waiting request waits ("" when nothing of it waits): the monitor shows both.
     priority: int = 1
     waiting_reason: str = ""
+    #: An incognito chat: its blocks are private and zeroed when released (§3.14).
+    incognito: bool = False
 
 
 @dataclass(frozen=True)

@@ -403,6 +403,7 @@ def test_an_incognito_chat_writes_nothing_and_leaves_zeros(prompt, expected, tmp
     stats = engine.snapshot().disk
     assert stats.writes == 0 and not list(model_folder(root).iterdir())
     assert not any(engine.snapshot().cached)
+    assert engine.snapshot().sessions["default"].incognito  # the monitor can mark it
     pool = engine.runtime.pool
     # every block zeroed (the scratch block, last, takes padding rows' writes: not a chat's)
     assert all(not mx.any(a[:-1]).item() for a in pool.arrays())
