@@ -101,6 +101,8 @@ def accept(item: Submit, tokenizer, max_context: int, scheduler: Scheduler, outp
         return
     output.requests[request.request_id] = request
     telemetry.add_session(item.session_id)
+    if item.incognito:  # the snapshot marks the chat (SessionStats.incognito)
+        telemetry.incognito.add(item.session_id)
 
 
 def beam_refusal(params: SamplingParams, scheduler) -> str | None:

@@ -281,8 +281,6 @@ class Telemetry:
                 if seq.waiting_reason and not stats["waiting_reason"] and not seq.finished:
                     stats["waiting_reason"] = seq.waiting_reason
             stats["priority"] = max(stats["priority"], int(request.priority))
-            if request.incognito:
-                self.incognito.add(request.session_id)
         result = {}
         rates = self.rates
         for sid, s in sessions.items():
