@@ -161,6 +161,23 @@ def test_a_write_error_is_reported_once_and_an_unwritable_folder_given_up(
     assert not tier.stats().writable and tier.stats().error and not tier.has(1)
 
 
+def test_the_server_takes_a_disk_cache_folder() -> None:
+    """``pagedchat serve`` / ``batch``: the tier is off unless asked (API requests take the
+    same path as chats once it is on)."""
+    import argparse
+
+    from app.server.engine_args import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cfg = engine_config(parser.parse_args(["--kv-disk-cache", "/tmp/kv",
+                                           "--kv-disk-budget-mib", "512"]))
+    assert (cfg.disk_cache_dir, cfg.disk_budget_mib) == ("/tmp/kv", 512)
+    assert engine_config(parser.parse_args([])).disk_cache_dir is None
+    with pytest.raises(ValueError, match="disk_budget_mib"):
+        engine_config(parser.parse_args(["--kv-disk-budget-mib", "-1"]))
+
+
 def test_adopted_and_private_blocks_keep_the_allocators_invariants() -> None:
     alloc = BlockAllocator(4, 2)
     alloc.disk_log = True
