@@ -44,7 +44,13 @@ from engine.requests.validation import (
     vocab_size,
 )
 from engine.runner.constraints import grammars_for
-from engine.runner.disk_sync import IDLE_WRITE_BLOCKS, forget, put_to_sleep, residency
+from engine.runner.disk_sync import (
+    IDLE_WRITE_BLOCKS,
+    forget,
+    full_block_hashes,
+    put_to_sleep,
+    residency,
+)
 from engine.runner.output import refuse
 from engine.runner.step import describe
 from engine.runner.telemetry import Telemetry
@@ -226,6 +232,14 @@ class Engine:
         kept = tuple(tuple(checked_prompt(None, k)[1]) for k in keep)
         self._inbox.put(inbox.Context("forget", tokens, kept))
 
+    def pin_context(self, key: str, prompt_tokens: Seq[int] | None) -> None:
+        """Keep a conversation warm: its cached blocks stay in the pool while other cached
+        blocks can be evicted instead (``key`` names the pin, e.g. the chat's id; calling
+        again with the grown conversation replaces it; None unpins). Never blocks."""
+        check_ids(key, None)
+        tokens = None if prompt_tokens is None else tuple(checked_prompt(None, prompt_tokens)[1])
+        self._inbox.put(inbox.Context("pin", tokens or (), key=key, unpin=tokens is None))
+
     def clear_disk_cache(self) -> None:
         """Delete every file of the disk tier (every model's); no-op when it is off."""
         runtime = self.runtime
@@ -392,7 +406,10 @@ class Engine:
             elif isinstance(item, inbox.SetPriority):
                 inbox.set_priority(item, rt.scheduler, self.telemetry)
             elif isinstance(item, inbox.Context) and rt.pool is not None:
-                if item.action == "sleep":
+                if item.action == "pin":
+                    rt.alloc.pin(item.key, None if item.unpin else
+                                 full_block_hashes(item.tokens, rt.alloc.block_size))
+                elif item.action == "sleep":
                     put_to_sleep(rt.disk, rt.alloc, item.tokens)
                 else:
                     forget(rt.disk, rt.alloc, item.tokens, item.keep)

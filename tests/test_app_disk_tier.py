@@ -17,6 +17,7 @@ from app.library.sidebar import ContextRole
 from app.monitor.counters import CountersWidget
 from app.window.context_watch import conversation_tokens
 from engine import DiskStats, Engine, EngineConfig
+from engine.runner.disk_sync import full_block_hashes
 from tests.app_helpers import WAIT_MS, greedy, open_window, wait_idle
 from tests.gui_helpers import trigger_menu_item, when_popup_menu
 from tests.reference import chat_prompt, greedy_reference, reference_model
@@ -107,7 +108,13 @@ def test_the_sidebar_shows_a_chats_context_and_the_user_puts_it_to_sleep(
         model = w.sidebar.model
         assert "context in memory" in model.data(model.index(model.row_of(sid)),
                                                  Qt.ItemDataRole.AccessibleTextRole)
-        right_click_chat(w, sid, "Put to Sleep")
+        right_click_chat(w, sid, "Keep in Memory")  # pinned: evicted last
+        hashes = set(full_block_hashes(tokens, disk_engine.model_info.block_size))
+        qtbot.waitUntil(lambda: hashes <= disk_engine.runtime.alloc.pinned, timeout=WAIT_MS)
+        assert "kept warm" in model.data(model.index(model.row_of(sid)),
+                                         Qt.ItemDataRole.AccessibleTextRole)
+        right_click_chat(w, sid, "Put to Sleep")  # lets the pin go first
+        qtbot.waitUntil(lambda: not disk_engine.runtime.alloc.pinned, timeout=WAIT_MS)
         qtbot.waitUntil(lambda: disk_engine.context_residency(tokens).in_memory == 0,
                         timeout=WAIT_MS)
         assert disk_engine.context_residency(tokens).state == "disk"  # written, then freed

@@ -206,6 +206,27 @@ def test_adopted_and_private_blocks_keep_the_allocators_invariants() -> None:
     check_invariants(alloc, [])
 
 
+def test_a_pinned_chat_is_evicted_last() -> None:
+    alloc = BlockAllocator(4, 2)
+    for owner, tokens in (("a", [1, 2, 3, 4]), ("c", [5, 6, 7, 8])):  # a first: older
+        table = BlockTable(owner)
+        alloc.append(table, tokens)
+        alloc.mark_computed(table)
+        alloc.free(table)
+    kept = [chain_hash(None, [1, 2]), chain_hash(chain_hash(None, [1, 2]), [3, 4])]
+    alloc.pin("chat-a", kept)
+    newcomer = BlockTable("b")
+    alloc.append(newcomer, [9, 9, 9, 9])  # needs two blocks: the pool holds four cached
+    assert all(alloc.prefix_index.block_for(h) is not None for h in kept)  # a stayed
+    assert alloc.prefix_index.block_for(chain_hash(None, [5, 6])) is None  # c went
+    check_invariants(alloc, [newcomer])
+    alloc.append(newcomer, [8, 8, 8, 8])  # only pinned blocks left: evicted anyway
+    assert alloc.prefix_index.block_for(kept[0]) is None
+    alloc.pin("chat-a", None)
+    assert not alloc.pinned
+    check_invariants(alloc, [newcomer])
+
+
 # ---------------------------------------------------------------------------------------------
 # The engine on the default model
 # ---------------------------------------------------------------------------------------------

@@ -5,9 +5,11 @@ Every few seconds, and after a reply ends, the open local chats' conversations a
 into tokens and looked up (``Engine.context_residency``: hashing and index lookups) in a
 worker thread, since tokenising a long chat takes milliseconds the GUI thread must not
 spend; the sidebar shows the answer under each title: "in memory", "asleep on disk" or
-"needs reading again". A chat's context menu can put it to sleep (its blocks leave the pool,
-written to disk first); deleting a chat deletes its blocks that no other open chat shares.
-Chats that are not open show nothing: their messages are in the database, not in memory.
+"needs reading again". A chat's context menu can keep it warm (``Engine.pin_context``: its
+blocks are evicted last, re-pinned at each look as the chat grows) or put it to sleep (its
+blocks leave the pool, written to disk first); deleting a chat deletes its blocks that no
+other open chat shares. Chats that are not open show nothing: their messages are in the
+database, not in memory.
 """
 
 from __future__ import annotations
@@ -63,9 +65,16 @@ class ContextWatch(QObject):
         if not chats:
             return
 
+        pinned = set(self.window.sidebar.model.pinned)
+
         def look() -> dict[str, str]:
-            return {sid: engine.context_residency(conversation_tokens(engine, m)).state
-                    for sid, m in chats.items()}
+            states = {}
+            for sid, messages in chats.items():
+                tokens = conversation_tokens(engine, messages)
+                if sid in pinned:  # the pin follows the chat as it grows
+                    engine.pin_context(sid, tokens)
+                states[sid] = engine.context_residency(tokens).state
+            return states
 
         self._task = asyncio.ensure_future(self._show(asyncio.to_thread(look)))
 
@@ -78,8 +87,22 @@ class ContextWatch(QObject):
         for sid, state in states.items():
             model.set_context(sid, state)
 
+    def keep_warm(self, conversation_id: str, on: bool) -> None:
+        """Keep a chat's context in memory (its blocks are evicted last), or no more."""
+        self.window.sidebar.model.set_pinned(conversation_id, on)
+        engine = self._engine()
+        if engine is None:
+            return
+        if on:
+            self.refresh()  # pins it with its current tokens
+        else:
+            engine.pin_context(conversation_id, None)
+
     def sleep(self, conversation_id: str) -> None:
-        """Put a chat to sleep: its blocks leave the pool (written to disk first)."""
+        """Put a chat to sleep: its blocks leave the pool (written to disk first); a chat
+        kept warm is let go first."""
+        if conversation_id in self.window.sidebar.model.pinned:
+            self.keep_warm(conversation_id, False)
         engine = self._engine()
         messages = self._conversations().get(conversation_id)
         if engine is None or messages is None:

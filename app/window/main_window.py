@@ -165,6 +165,7 @@ class MainWindow(QMainWindow):
         self.manager.busyChanged.connect(self.sidebar.model.set_busy)
         self.context_watch = ContextWatch(self)  # the sidebar's "in memory / asleep on disk"
         self.sidebar.view.sleepRequested.connect(self.context_watch.sleep)
+        self.sidebar.view.keepWarmRequested.connect(self.context_watch.keep_warm)
         self.bridge.statusChanged.connect(self.settings_flow.show_status)
         self.bridge.snapshotUpdated.connect(self.pool_label.show_snapshot)
         self.bridge.modelReady.connect(self.settings_flow.apply_default_chat_settings)

@@ -57,6 +57,10 @@ class BlockAllocator:
         #: Blocks of incognito (private) tables back in the free list, to be zeroed in the
         #: pool before anything reads them again.
         self.to_zero: list[int] = []
+        #: Chats kept warm (``pin``): the hashes of their blocks, by key, and all of them;
+        #: eviction passes over these while any other cached block is evictable.
+        self._pins: dict[str, frozenset[int]] = {}
+        self.pinned: frozenset[int] = frozenset()
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -141,6 +145,16 @@ class BlockAllocator:
         self._fill[block] = 0
         self._free.append(block)
         return block
+
+    def pin(self, key: str, hashes: Sequence[int] | None) -> None:
+        """Keep the cached blocks named ``hashes`` in the pool (a chat kept warm), replacing
+        what ``key`` pinned before; None unpins. Best effort: when every evictable block is
+        pinned, the least recently used is evicted anyway (a pin never makes the pool fail)."""
+        if hashes is None:
+            self._pins.pop(key, None)
+        else:
+            self._pins[key] = frozenset(hashes)
+        self.pinned = frozenset().union(*self._pins.values())
 
     def record_prefix_lookup(self, table: BlockTable, prompt: Sequence[int]) -> None:
         """Count a prompt's full blocks as prefix-cache queries and its reused ones as hits."""
@@ -326,7 +340,7 @@ class BlockAllocator:
         if self._free:
             block = self._free.popleft()
         elif self._evictable:
-            block, _ = self._evictable.popitem(last=False)
+            block = self._victim()
             if self.disk_log:
                 self.evicted.append((block, self.prefix_index.hash_of(block),
                                      self._tokens[block]))
@@ -335,6 +349,18 @@ class BlockAllocator:
             raise NoFreeBlocksError("the KV pool is full")
         self._tokens[block] = ()
         self._fill[block] = 0
+        return block
+
+    def _victim(self) -> int:
+        """The least recently used evictable block that no pin keeps; the least recently
+        used of all when every one is pinned. Taken out of the LRU."""
+        if self.pinned:
+            hash_of = self.prefix_index.hash_of
+            for block in self._evictable:
+                if hash_of(block) not in self.pinned:
+                    del self._evictable[block]
+                    return block
+        block, _ = self._evictable.popitem(last=False)
         return block
 
     def _copy_on_write(self, table: BlockTable, shared: int) -> int:

@@ -51,12 +51,14 @@ class Cancel:
 @dataclass(frozen=True)
 class Context:
     """Something done to a conversation's cached context (engine/runner/disk_sync.py):
-    ``action`` "sleep" (out of the pool, onto the disk tier) or "forget" (deleted, but for
-    the blocks ``keep`` shares)."""
+    ``action`` "sleep" (out of the pool, onto the disk tier), "forget" (deleted, but for
+    the blocks ``keep`` shares) or "pin" (kept warm under ``key``; ``unpin``: no more)."""
 
     action: str
     tokens: tuple[int, ...]
     keep: tuple[tuple[int, ...], ...] = ()
+    key: str = ""
+    unpin: bool = False
 
 
 STOP = object()  # ends the thread's loop; everything queued behind it is answered
