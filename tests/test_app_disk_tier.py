@@ -62,6 +62,25 @@ def test_settings_memory_shows_the_disk_cache_and_clears_it(qtbot) -> None:
     assert page.holds.text().startswith("Off")
 
 
+def test_a_disk_error_is_told_once(qtbot, tmp_path) -> None:
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from app.core.store import Store
+    from tests.app_helpers import engineless_window
+
+    with engineless_window(qtbot, Store(tmp_path)) as w:
+        shown: list[str] = []
+        w.statusBar().messageChanged.connect(lambda text: text and shown.append(text))
+        full = replace(STATS, errors=1, error="The KV disk cache in /x could not be written "
+                       "(No space left on device): chats are recomputed instead of read back.")
+        watch = w.context_watch  # what the bridge's snapshotUpdated calls, at each poll
+        for errors in (1, 2, 3):
+            watch.tell_disk_error(SimpleNamespace(disk=replace(full, errors=errors)))
+        watch.tell_disk_error(SimpleNamespace(disk=None))
+        assert shown == [full.error]
+
+
 @pytest.fixture(scope="module")
 def disk_engine(tmp_path_factory):
     folder = tmp_path_factory.mktemp("kv-cache")

@@ -40,6 +40,17 @@ class ContextWatch(QObject):
         self.timer.timeout.connect(self.refresh)
         self.timer.start()
         window.manager.busyChanged.connect(lambda _sid, busy: None if busy else self.refresh())
+        window.bridge.snapshotUpdated.connect(self.tell_disk_error)
+        self.told = ""  # the disk tier's error the user was told about (once)
+
+    def tell_disk_error(self, snapshot: Any) -> None:
+        """The disk tier's first error (a full disk, a folder that cannot be written), told
+        once in the status bar; chats go on (recomputed), the monitor keeps a ⚠ on it."""
+        disk = getattr(snapshot, "disk", None)
+        error = getattr(disk, "error", "") if disk is not None else ""
+        if error and error != self.told:
+            self.told = error
+            self.window.statusBar().showMessage(error, 30_000)
 
     def _engine(self) -> Any:
         bridge = self.window.bridge
