@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     settings = AppSettings.load(store)
-    settings.kv_cache_dir = str(default_kv_cache_dir())  # chats that sleep on disk (§3.14)
+    # Chats sleep on disk (§3.14): in the platform's cache folder, or beside a data folder
+    # given on the command line (a separate profile, a demo, a test: its own cache).
+    explicit = args.data_dir or args.demo
+    settings.kv_cache_dir = str(data_dir / "kv-cache" if explicit else default_kv_cache_dir())
     if args.model:
         settings.set_model_spec(args.model)
     if args.kv_memory_mib:
