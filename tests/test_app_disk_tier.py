@@ -143,6 +143,9 @@ def test_the_sidebar_shows_a_chats_context_and_the_user_puts_it_to_sleep(
         counters = w.monitor_dock.findChild(CountersWidget)
         qtbot.waitUntil(lambda: "MiB" in counters.value("disk"), timeout=WAIT_MS)
         assert "reads" in counters.value("disk_hits")
+        # a chat that is not open is read from the store for the same tokens
+        seen = pane.session.prompt_messages(pane.session.tree.active_leaf)
+        qtbot.waitUntil(lambda: w.context_watch._stored_messages(sid) == seen, timeout=WAIT_MS)
         # deleting the chat deletes its blocks (no other chat shares them)
         delete_from_sidebar(qtbot, w, sid, "Delete")
         qtbot.waitUntil(lambda: disk_engine.context_residency(tokens).on_disk == 0,

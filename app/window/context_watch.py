@@ -19,6 +19,9 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer
 
+from app.core.session_logic import prompt_messages
+from app.core.tree import MessageTree
+
 #: How often the sidebar's context states are refreshed (they change when chats run, are
 #: evicted or written to disk; a reply's end refreshes at once).
 REFRESH_MS = 3000
@@ -129,11 +132,23 @@ class ContextWatch(QObject):
             return
         self.window.sidebar.model.set_context(conversation_id, "disk")
 
+    def _stored_messages(self, conversation_id: str) -> list[dict[str, str]] | None:
+        """What the engine saw of a chat that is not open: read from the store (None for a
+        remote chat, an empty or unknown one)."""
+        store = self.window.store
+        conv = store.get_conversation(conversation_id)
+        if conv is None or conv.model or conv.active_leaf is None:
+            return None
+        tree = MessageTree(store.load_messages(conversation_id), conv.active_leaf)
+        return prompt_messages(conv.settings.system_prompt, tree.path_to(conv.active_leaf))
+
     def forget(self, conversation_id: str) -> None:
         """A chat is being deleted: its blocks that no other open chat shares go, from the
-        pool and the disk (call before the chat's session is dropped)."""
+        pool and the disk (call before the chat is deleted from the store)."""
         engine = self._engine()
         messages = self._conversations().get(conversation_id)
+        if messages is None and conversation_id not in self.window.manager.sessions:
+            messages = self._stored_messages(conversation_id)
         if engine is None or messages is None:
             return
         others = list(self._conversations(exclude=conversation_id).values())
