@@ -133,11 +133,12 @@ def test_budget_keeps_the_most_recently_used_and_the_scan_trusts_no_half_file(
     folder = tier.folder
     (folder / (disk_format.file_name(6) + ".123.tmp")).write_bytes(b"half")
     (folder / disk_format.file_name(7)).write_bytes(b"short")
+    (folder / ("not-a-hash" + disk_format.SUFFIX)).write_bytes(b"x" * LAYOUT.file_bytes)
     tier = DiskTier(tmp_path, FP, LAYOUT, budget)
     tier.close()
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         disk_format.file_name(h) for h in (1, 4, 5))
-    assert not tier.has(7) and tier.stats().discarded == 1
+    assert not tier.has(7) and tier.stats().discarded == 2
 
 
 def test_a_write_error_is_reported_once_and_an_unwritable_folder_given_up(

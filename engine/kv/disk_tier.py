@@ -206,8 +206,11 @@ class DiskTier:
                 st = path.stat()
             except OSError:
                 continue
-            if path.parent == self.folder and st.st_size != self.layout.file_bytes:
+            if path.parent == self.folder and (st.st_size != self.layout.file_bytes
+                                               or _block_hash(path) is None):
                 self._delete(path)
+                continue
+            if _block_hash(path) is None:  # another model's folder: not ours to judge
                 continue
             found.append((st.st_mtime_ns, path, st.st_size))
             self._newest_ns = max(self._newest_ns, st.st_mtime_ns)
@@ -219,14 +222,14 @@ class DiskTier:
         self._lru[path] = size
         self._bytes += size
         if path.parent == self.folder:
-            self._ours.add(int(path.name.removesuffix(disk_format.SUFFIX), 16))
+            self._ours.add(_block_hash(path))
 
     def _forget(self, path: Path) -> None:
         size = self._lru.pop(path, None)
         if size is not None:
             self._bytes -= size
         if path.parent == self.folder:
-            self._ours.discard(int(path.name.removesuffix(disk_format.SUFFIX), 16))
+            self._ours.discard(_block_hash(path))
 
     def _delete(self, path: Path) -> None:
         self.discarded += 1
@@ -365,3 +368,14 @@ class DiskTier:
         n = len(got)
         arrays = [np.stack([g[i] for g in got], axis=1) for i in range(len(got[0]))] if n else []
         return ReadResult(key, hashes[:n], tokens[:n], arrays)
+
+
+def _block_hash(path: Path) -> int | None:
+    """The chain hash a block file is named by, or None for a name that is not one."""
+    name = path.name
+    if not name.endswith(disk_format.SUFFIX):
+        return None
+    try:
+        return int(name.removesuffix(disk_format.SUFFIX), 16)
+    except ValueError:
+        return None
