@@ -15,12 +15,15 @@ database, not in memory.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from PySide6.QtCore import QObject, QTimer
 
 from app.core.session_logic import prompt_messages
 from app.core.tree import MessageTree
+
+logger = logging.getLogger(__name__)
 
 #: How often the sidebar's context states are refreshed (they change when chats run, are
 #: evicted or written to disk; a reply's end refreshes at once).
@@ -56,9 +59,11 @@ class ContextWatch(QObject):
             self.window.statusBar().showMessage(error, 30_000)
 
     def _engine(self) -> Any:
+        """The running engine, if it answers for contexts (None otherwise)."""
         bridge = self.window.bridge
         engine = bridge.engine
-        return engine if engine is not None and bridge.status == "ready" else None
+        ready = engine is not None and bridge.status == "ready"
+        return engine if ready and hasattr(engine, "context_residency") else None
 
     def _conversations(self, exclude: str = "") -> dict[str, list[dict[str, str]]]:
         """The open local chats with messages: id -> what the engine saw of them."""
@@ -95,7 +100,8 @@ class ContextWatch(QObject):
     async def _show(self, looking: Any) -> None:
         try:
             states = await looking
-        except (ValueError, RuntimeError):  # the engine stopped or a chat was emptied
+        except Exception:  # the engine stopped, a chat was emptied: the next look retries
+            logger.debug("context look failed", exc_info=True)
             return
         model = self.window.sidebar.model
         for sid, state in states.items():
@@ -128,7 +134,8 @@ class ContextWatch(QObject):
         try:
             tokens = await asyncio.to_thread(conversation_tokens, engine, messages)
             engine.sleep_context(tokens)
-        except (ValueError, RuntimeError):
+        except Exception:  # the engine stopped meanwhile: nothing to free
+            logger.debug("sleep failed", exc_info=True)
             return
         self.window.sidebar.model.set_context(conversation_id, "disk")
 
@@ -161,7 +168,8 @@ class ContextWatch(QObject):
             try:
                 mine, keep = await asyncio.to_thread(tokens)
                 engine.forget_context(mine, keep=keep)
-            except (ValueError, RuntimeError):
+            except Exception:  # the engine stopped meanwhile: its cache stays (LRU)
+                logger.debug("forget failed", exc_info=True)
                 return
 
         asyncio.ensure_future(run())
