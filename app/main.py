@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from app.bridges.engine_bridge import EngineBridge
     from app.core import secrets
-    from app.core.app_settings import AppSettings
+    from app.core.app_settings import AppSettings, default_kv_cache_dir
     from app.startup.data_folder import claim, close_store, open_store
     from app.startup.single_instance import bring_to_front
     from app.ui.display import quiet_offscreen_warnings
@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     settings = AppSettings.load(store)
+    # Chats sleep on disk (§3.14): in the platform's cache folder, or beside a data folder
+    # given on the command line (a separate profile, a demo, a test: its own cache).
+    explicit = args.data_dir or args.demo
+    settings.kv_cache_dir = str(data_dir / "kv-cache" if explicit else default_kv_cache_dir())
     if args.model:
         settings.set_model_spec(args.model)
     if args.kv_memory_mib:

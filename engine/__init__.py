@@ -19,7 +19,9 @@ from engine.config import (
 from engine.engine import Engine
 from engine.errors import ModelLoadError
 from engine.events import (
+    ContextResidency,
     Counters,
+    DiskStats,
     EngineStatus,
     Event,
     FinalEvent,
@@ -48,7 +50,9 @@ __all__ = [
     "PROVEN_ARCHITECTURES",
     "REPO_ID_PATTERN",
     "Constraint",
+    "ContextResidency",
     "Counters",
+    "DiskStats",
     "Engine",
     "EngineConfig",
     "EngineStatus",

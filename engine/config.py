@@ -30,6 +30,10 @@ MIB = 2**20
 #: the model's own precision (engine/loading.py ``kv_quantized``), else "model".
 KV_PRECISIONS = ("auto", "model", "int8")
 
+#: The disk tier's default budget (``EngineConfig.disk_budget_mib``): a few GB, about 5,700
+#: blocks of the default model's fp32 pool (16 tokens each), a 90k-token history.
+DEFAULT_DISK_BUDGET_MIB = 4096
+
 
 def looks_like_repo_id(spec: str) -> bool:
     """True for "owner/name" (what the Hub accepts); anything else is meant as a path."""
@@ -73,6 +77,10 @@ class EngineConfig:
         a quarter of fp32's), or "auto" (int8 when the budget is short of ``max_batch`` full
         contexts at the model's own precision). The engine's default is "model" (its greedy
         replies equal mlx-lm's); the app passes the user's choice, "auto" unless changed.
+    disk_cache_dir: the folder of the disk tier under the pool (full blocks kept on disk
+        across evictions and restarts, docs/ARCHITECTURE.md §3.14); None turns it off.
+    disk_budget_mib: the most the disk tier's files take, every model's together (the least
+        recently used are deleted first).
     """
 
     model: str = "default"
@@ -86,6 +94,8 @@ class EngineConfig:
     quantized: bool | None = None
     attention: str = "auto"  # "auto", "reference" or "kernel"
     kv_precision: str = "model"  # "auto", "model" or "int8" (KV_PRECISIONS)
+    disk_cache_dir: str | None = None
+    disk_budget_mib: float = DEFAULT_DISK_BUDGET_MIB
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:
@@ -112,6 +122,13 @@ class EngineConfig:
             )
         if not self.model:
             raise ValueError("model must name 'default', a folder or a Hugging Face repo id")
+        if self.disk_cache_dir is not None and not str(self.disk_cache_dir):
+            raise ValueError("disk_cache_dir must be a folder path, or None to turn the disk "
+                             "tier off")
+        budget = self.disk_budget_mib
+        if (isinstance(budget, bool) or not isinstance(budget, numbers.Real)
+                or not math.isfinite(budget) or budget < 0):
+            raise ValueError(f"disk_budget_mib must be a number of MiB >= 0, got {budget!r}")
 
 
 #: mx.random.key takes an unsigned 64-bit seed.

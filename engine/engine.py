@@ -24,7 +24,14 @@ import mlx.core as mx
 
 from engine.config import EngineConfig, Priority, SamplingParams, check_top_k, checked_priority
 from engine.errors import ModelLoadError
-from engine.events import EngineStatus, FinishReason, ModelInfo, PoolSnapshot, ToolCallFormat
+from engine.events import (
+    ContextResidency,
+    EngineStatus,
+    FinishReason,
+    ModelInfo,
+    PoolSnapshot,
+    ToolCallFormat,
+)
 from engine.handle import RequestHandle
 from engine.loading import Runtime, load_runtime
 from engine.requests import inbox
@@ -37,6 +44,13 @@ from engine.requests.validation import (
     vocab_size,
 )
 from engine.runner.constraints import grammars_for
+from engine.runner.disk_sync import (
+    IDLE_WRITE_BLOCKS,
+    forget,
+    full_block_hashes,
+    put_to_sleep,
+    residency,
+)
 from engine.runner.output import refuse
 from engine.runner.step import describe
 from engine.runner.telemetry import Telemetry
@@ -127,11 +141,13 @@ class Engine:
         session_id: str = "default",
         request_id: str | None = None,
         priority: Priority = Priority.NORMAL,
+        incognito: bool = False,
     ) -> RequestHandle:
         """Queue a request; never blocks. Give either chat ``messages`` (the model's chat
         template is applied) or raw ``prompt_tokens``. ``priority`` says who goes first when
         the batch, the pool or a step's prompt budget is short (``set_priority`` changes it
-        while the request runs).
+        while the request runs). ``incognito``: the request's blocks are never shared with
+        another chat nor written to the disk tier, and are zeroed when released.
 
         Bad input raises ValueError here, in the caller's thread, naming what is wrong; a
         request id that a live request holds is refused. Before start() this raises
@@ -140,6 +156,8 @@ class Engine:
         params = checked_params(params)
         priority = checked_priority(priority)
         check_ids(session_id, request_id)
+        if not isinstance(incognito, bool):
+            raise ValueError(f"incognito must be True or False, got {incognito!r}")
         if params.beam_width > self.config.max_batch:
             raise ValueError(f"beam_width must be at most the engine's max_batch "
                              f"({self.config.max_batch}): the beams decode side by side in one "
@@ -164,7 +182,7 @@ class Engine:
                                        on_done=self._release_id)
                 self._live[request_id] = handle
                 self._inbox.put(inbox.Submit(request_id, session_id, messages, prompt_tokens,
-                                             params, handle, priority))
+                                             params, handle, priority, incognito))
                 return handle
         handle = RequestHandle(request_id, session_id, params.n, self._request_cancel)
         refuse(handle, params.n, FinishReason.ERROR,
@@ -186,6 +204,47 @@ class Engine:
     def cancel_session(self, session_id: str) -> None:
         """Cancel every request of a chat (for a deleted chat) and forget its stats."""
         self._inbox.put(inbox.Cancel(session_id=session_id))
+
+    # ---- a conversation's context (the disk tier, docs/ARCHITECTURE.md §3.14) -----------------
+
+    def context_residency(self, prompt_tokens: Seq[int]) -> ContextResidency:
+        """Where a conversation's context is (its prompt's full blocks in the pool, on disk,
+        or neither): hashing and index lookups in the caller's thread, never waits; all
+        "recompute" before the model is loaded or when the model runs unpaged."""
+        tokens = checked_prompt(None, prompt_tokens)[1]
+        runtime = self.runtime
+        if runtime is None or runtime.pool is None:
+            return ContextResidency(max(0, (len(tokens) - 1) // self.config.block_size), 0, 0)
+        tier = runtime.disk.tier if runtime.disk is not None else None
+        return residency(runtime.alloc, tier, tokens)
+
+    def sleep_context(self, prompt_tokens: Seq[int]) -> None:
+        """Put a conversation to sleep: its cached blocks leave the pool (written to the disk
+        tier first, when it is on); never blocks."""
+        tokens = tuple(checked_prompt(None, prompt_tokens)[1])
+        self._inbox.put(inbox.Context("sleep", tokens))
+
+    def forget_context(self, prompt_tokens: Seq[int],
+                       keep: Seq[Seq[int]] = ()) -> None:
+        """Delete a conversation's blocks (a deleted chat) from the pool's cache and the disk
+        tier, but for those any conversation of ``keep`` shares; never blocks."""
+        tokens = tuple(checked_prompt(None, prompt_tokens)[1])
+        kept = tuple(tuple(checked_prompt(None, k)[1]) for k in keep)
+        self._inbox.put(inbox.Context("forget", tokens, kept))
+
+    def pin_context(self, key: str, prompt_tokens: Seq[int] | None) -> None:
+        """Keep a conversation warm: its cached blocks stay in the pool while other cached
+        blocks can be evicted instead (``key`` names the pin, e.g. the chat's id; calling
+        again with the grown conversation replaces it; None unpins). Never blocks."""
+        check_ids(key, None)
+        tokens = None if prompt_tokens is None else tuple(checked_prompt(None, prompt_tokens)[1])
+        self._inbox.put(inbox.Context("pin", tokens or (), key=key, unpin=tokens is None))
+
+    def clear_disk_cache(self) -> None:
+        """Delete every file of the disk tier (every model's); no-op when it is off."""
+        runtime = self.runtime
+        if runtime is not None and runtime.disk is not None:
+            runtime.disk.tier.clear()
 
     def _request_cancel(self, handle: RequestHandle) -> None:
         self._inbox.put(inbox.Cancel(handle=handle))
@@ -254,7 +313,8 @@ class Engine:
 
     def _serve(self) -> None:
         try:
-            self.runtime = rt = load_runtime(self.config, self.telemetry)
+            self.runtime = rt = load_runtime(self.config, self.telemetry,
+                                             wake=self._wake)
             self.model_info = rt.model_info
             self._publish(force=True)
         except Exception as e:  # the message is for the user; the traceback for the log
@@ -271,7 +331,14 @@ class Engine:
         running = True
         while running:
             try:
-                running = self._drain_inbox(block=not rt.scheduler.has_work)
+                idle = not rt.scheduler.has_work
+                if idle and rt.pool is not None:
+                    rt.stepper.zero_released()  # an incognito chat ended: zeroed at once
+                if rt.disk is not None:
+                    if idle:  # write the open chats' blocks while nothing else runs
+                        self._write_while_idle(rt.disk)
+                    idle = idle or rt.scheduler.only_reading_disk  # the reader wakes it
+                running = self._drain_inbox(block=idle)
                 rt.stepper.release_finished()  # what the commands ended (cancels)
                 if running and rt.scheduler.has_work:
                     rt.stepper.step()  # it releases what it ended itself
@@ -285,7 +352,26 @@ class Engine:
         rt.output.finish_all(FinishReason.CANCELLED)
         rt.stepper.release_finished()
         inbox.answer_queued(self._inbox, FinishReason.CANCELLED, "the engine stopped")
+        if rt.pool is not None:
+            rt.stepper.zero_released()
+        if rt.disk is not None:
+            try:  # the open chats' blocks, on disk before the engine ends
+                rt.disk.close()
+            except Exception:
+                logger.exception("the KV disk tier failed to close")
         self._publish(force=True)
+
+    def _wake(self) -> None:
+        """The disk tier's reader answered, or its writer has room again: a sleeping engine
+        thread looks again."""
+        self._inbox.put(inbox.WAKE)
+
+    def _write_while_idle(self, disk) -> None:
+        """Copy off the blocks named since the last step, a batch at a time, until done or
+        something arrives in the inbox."""
+        disk.restore()
+        while disk.pending_writes and self._inbox.empty():
+            disk.write_through(IDLE_WRITE_BLOCKS)
 
     def _publish(self, force: bool = False) -> None:
         """A snapshot if one was asked for (rate-limited), or ``force``: the engine going
@@ -296,6 +382,7 @@ class Engine:
             rt.alloc, rt.scheduler, rt.output.requests.values(), info.bytes_per_block,
             info.name, force=force, paged=info.paged, kv_dtype=info.kv_dtype,
             full_bytes_per_block=info.full_bytes_per_block,
+            disk=rt.disk.tier if rt.disk is not None else None,
         )
 
     def _drain_inbox(self, block: bool) -> bool:
@@ -309,6 +396,8 @@ class Engine:
             block = False
             if item is inbox.STOP:
                 return False
+            if item is inbox.WAKE:
+                continue
             if isinstance(item, inbox.Submit):
                 inbox.accept(item, rt.loaded.tokenizer, rt.max_context, rt.scheduler,
                              rt.output, self.telemetry)
@@ -316,3 +405,11 @@ class Engine:
                 inbox.cancel(item, rt.output, self.telemetry)
             elif isinstance(item, inbox.SetPriority):
                 inbox.set_priority(item, rt.scheduler, self.telemetry)
+            elif isinstance(item, inbox.Context) and rt.pool is not None:
+                if item.action == "pin":
+                    rt.alloc.pin(item.key, None if item.unpin else
+                                 full_block_hashes(item.tokens, rt.alloc.block_size))
+                elif item.action == "sleep":
+                    put_to_sleep(rt.disk, rt.alloc, item.tokens)
+                else:
+                    forget(rt.disk, rt.alloc, item.tokens, item.keep)

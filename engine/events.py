@@ -47,6 +47,8 @@ class Usage:
     time_to_first_token_s: float | None
     total_time_s: float
     decode_tokens_per_s: float
+    #: Of ``cached_prompt_tokens``, those read back from the disk tier (§3.14).
+    disk_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,49 @@ class SessionStats:
     #: its waiting request waits ("" when nothing of it waits): the monitor shows both.
     priority: int = 1
     waiting_reason: str = ""
+    #: An incognito chat: its blocks are private and zeroed when released (§3.14).
+    incognito: bool = False
+
+
+@dataclass(frozen=True)
+class DiskStats:
+    """The disk tier under the pool (docs/ARCHITECTURE.md §3.14), for the monitor and
+    Settings: what it holds (every model's files count against one budget), what it did,
+    and the first error the user must be told about ("" when none)."""
+
+    folder: str
+    budget_bytes: int
+    bytes: int
+    files: int
+    blocks: int  # files of the loaded model, which it can read back
+    hits: int  # blocks read back into the pool instead of recomputed
+    reads: int  # prompts whose blocks were looked up on disk
+    writes: int  # blocks written
+    discarded: int  # damaged, foreign or truncated files deleted unused
+    errors: int
+    error: str = ""
+    writable: bool = True
+
+
+@dataclass(frozen=True)
+class ContextResidency:
+    """Where a conversation's context is (``Engine.context_residency``): of its full blocks,
+    the leading ones in the pool's prefix cache, then those on the disk tier; the rest
+    would be computed again."""
+
+    blocks: int
+    in_memory: int
+    on_disk: int
+
+    @property
+    def state(self) -> str:
+        """"memory" (it continues at once), "disk" (asleep: read back, no prefill) or
+        "recompute" (some of it would be read again by the model)."""
+        if self.in_memory >= self.blocks:
+            return "memory"
+        if self.in_memory + self.on_disk >= self.blocks:
+            return "disk"
+        return "recompute"
 
 
 @dataclass(frozen=True)
@@ -184,6 +229,8 @@ class PoolSnapshot:
     #: in an 8-bit pool (the difference, per used block, is the memory 8-bit saves); 0 when
     #: not known.
     full_bytes_per_block: int = 0
+    #: The disk tier's state, or None when it is off (no ``EngineConfig.disk_cache_dir``).
+    disk: DiskStats | None = None
 
     @property
     def saved_bytes(self) -> int:

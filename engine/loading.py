@@ -10,7 +10,9 @@ free of wiring, and makes a restart a matter of dropping one reference.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,13 +21,16 @@ from engine.attention import dispatch as attention
 from engine.config import EngineConfig, blocks_for_budget, overlap_steps
 from engine.errors import ModelLoadError, NotPaged
 from engine.events import ModelInfo
+from engine.kv import disk_format
 from engine.kv.blocks import BlockAllocator
+from engine.kv.disk_tier import DiskTier
 from engine.kv.pool import KVPool, KVShape
 from engine.memory import check_fits
 from engine.models.folder import LoadedModel, dtype_name
 from engine.models.resolve import load_model
 from engine.runner import fallback
 from engine.runner.architecture import supported_kv_shape, verify_architecture
+from engine.runner.disk_sync import DiskSync
 from engine.runner.model_adapter import PagedModel
 from engine.runner.output import Output
 from engine.runner.step import StepRunner
@@ -52,6 +57,8 @@ class Runtime:
     stepper: StepRunner | fallback.FallbackRunner
     max_context: int
     model_info: ModelInfo
+    #: The disk tier under the pool (engine/runner/disk_sync.py), or None when off.
+    disk: DiskSync | None = None
 
 
 def weights_nbytes(model: nn.Module) -> int:
@@ -73,7 +80,8 @@ def kv_quantized(precision: str, shape: KVShape, budget_mib: float, max_batch: i
     return full.bytes_per_token() * max_batch * max_context > budget_mib * 2**20
 
 
-def load_runtime(cfg: EngineConfig, telemetry: Telemetry) -> Runtime:
+def load_runtime(cfg: EngineConfig, telemetry: Telemetry,
+                 wake: Callable[[], None] | None = None) -> Runtime:
     """Load ``cfg.model`` and build the pool and everything bound to it.
 
     Every refusal (a model that cannot load, a budget the machine cannot hold) is a
@@ -119,8 +127,32 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry) -> Runtime:
         full_bytes_per_block=full_bytes_per_block,
         int8_bytes_per_block=replace(shape, quantized=True).bytes_per_token() * cfg.block_size,
     )
+    disk = None
+    if cfg.disk_cache_dir is not None:
+        disk = stepper.disk = DiskSync(open_disk_tier(cfg, loaded, pool, wake), pool,
+                                       alloc, scheduler)
     return Runtime(loaded, pool, alloc, scheduler, paged_model, output, stepper, max_context,
-                   info)
+                   info, disk)
+
+
+def block_layout(pool: KVPool) -> disk_format.BlockLayout:
+    """How one of ``pool``'s blocks is laid out on the host (and in its file)."""
+    shape = pool.shape
+    return disk_format.BlockLayout(shape.num_layers, pool.block_size, shape.num_kv_heads,
+                                   shape.head_dim, pool.host_dtype(shape.storage_dtype),
+                                   shape.quantized)
+
+
+def open_disk_tier(cfg: EngineConfig, loaded: LoadedModel, pool: KVPool,
+                   wake: Callable[[], None] | None) -> DiskTier:
+    """The disk tier for this model and pool: its folder is named by the fingerprint of
+    everything a stored block depends on (engine/kv/disk_format.py)."""
+    layout = block_layout(pool)
+    template = getattr(loaded.tokenizer, "chat_template", None) or ""
+    fp = disk_format.fingerprint(Path(loaded.path), dtype_name(loaded.dtype), layout,
+                                 str(template), kv_dtype_name(pool.shape))
+    return DiskTier(Path(cfg.disk_cache_dir).expanduser(), fp, layout,
+                    int(cfg.disk_budget_mib * 2**20), wake)
 
 
 def kv_dtype_name(shape: KVShape) -> str:

@@ -36,7 +36,8 @@ def test_the_gpu_check_passes_on_the_cpu_at_quick_sizes(tmp_path, capsys) -> Non
     names = " ".join(outcome["passed"])
     for expected in ("prompt 17 greedy", "prefix cache hit counted", "n=3 greedy sample 2",
                      "preemption happened", "cancel mid-prefill generated nothing",
-                     "stop string ends the reply with stop", "app-defaults"):
+                     "stop string ends the reply with stop", "app-defaults",
+                     "[disk reference int8] every full block read back"):
         assert expected in names, f"the check {expected!r} did not run"
 
 

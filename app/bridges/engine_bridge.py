@@ -202,14 +202,16 @@ class EngineBridge(QObject):
 
     def submit(
         self, messages: list[dict[str, str]], params: SamplingParams, session_id: str,
-        priority: Priority = Priority.INTERACTIVE,
+        priority: Priority = Priority.INTERACTIVE, incognito: bool = False,
     ) -> str:
         """Submit a chat request; returns its request id. Never blocks. A message the user
         sends goes first (INTERACTIVE, the default); work the app does on its own (titles)
         passes BACKGROUND.
 
-        Raises ValueError for a request the engine refuses (e.g. no messages) and
-        RuntimeError when no model is loaded, each with a message fit for the user.
+        ``incognito``: an incognito chat's request (its KV never shared, never written to
+        disk, zeroed when released). Raises ValueError for a request the engine refuses
+        (e.g. no messages) and RuntimeError when no model is loaded, each with a message
+        fit for the user.
         """
         engine = self._engine
         if engine is None or self._status in (EngineStatus.ERROR, EngineStatus.STOPPED, IDLE):
@@ -217,7 +219,7 @@ class EngineBridge(QObject):
             raise RuntimeError(f"No model is loaded: {reason}")
         # The chat the user just sent in goes first, focused or not (send to all).
         handle = engine.submit(messages=messages, params=params, session_id=session_id,
-                               priority=priority)
+                               priority=priority, incognito=incognito)
         self._priority[session_id] = priority
         self._handles[handle.request_id] = handle
         self._sessions[handle.request_id] = session_id
@@ -226,7 +228,7 @@ class EngineBridge(QObject):
 
     async def submit_prompt(
         self, tokens: list[int], params: SamplingParams, session_id: str,
-        priority: Priority = Priority.INTERACTIVE,
+        priority: Priority = Priority.INTERACTIVE, incognito: bool = False,
     ) -> str:
         """Submit a prompt already tokenised (a chat with tools: app/core/tool_calls.py);
         the engine's submit runs in a worker thread, since compiling a grammar of tool calls
@@ -237,7 +239,7 @@ class EngineBridge(QObject):
             raise RuntimeError(f"No model is loaded: {reason}")
         handle = await asyncio.to_thread(
             lambda: engine.submit(prompt_tokens=tokens, params=params, session_id=session_id,
-                                  priority=priority))
+                                  priority=priority, incognito=incognito))
         self._priority[session_id] = priority
         self._handles[handle.request_id] = handle
         self._sessions[handle.request_id] = session_id

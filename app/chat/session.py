@@ -67,6 +67,9 @@ class ChatSession(QObject):
     def __init__(self, conversation: Conversation, store: Any, bridge: Any) -> None:
         super().__init__()
         self.manager: Any = None  # the SessionManager that made it (new-chat defaults)
+        #: An incognito chat (app/chat/incognito.py): kept nowhere, its KV never shared nor
+        #: written to disk, zeroed when released.
+        self.incognito = False
         self.conversation = conversation
         self.store = store
         self.bridge = bridge
@@ -333,7 +336,7 @@ class ChatSession(QObject):
                     raise RuntimeError("Remote providers are not available here.")
                 rid = self.remote.submit(self.model_ref, prompt, params, self.id)
             else:
-                rid = self.bridge.submit(prompt, params, self.id)
+                rid = self.bridge.submit(prompt, params, self.id, incognito=self.incognito)
         except (ValueError, RuntimeError) as exc:
             for r in replies:
                 self._finish(r, Status.ERROR, "", {"error": str(exc)})
@@ -507,7 +510,8 @@ class ChatSession(QObject):
                     use, prompt.syntax.start, prompt.syntax.end))
             if work not in self._requests:
                 return  # stopped meanwhile
-            rid = await self.bridge.submit_prompt(prompt.tokens, params, self.id)
+            rid = await self.bridge.submit_prompt(prompt.tokens, params, self.id,
+                                                  incognito=self.incognito)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # no model, a refused prompt: the reply says why
@@ -744,8 +748,18 @@ class SessionManager(QObject):
         self.conversationsChanged.emit()
         return session
 
-    def _adopt(self, conv: Conversation) -> ChatSession:
-        session = ChatSession(conv, self.store, self.bridge)
+    def create_incognito(self) -> ChatSession:
+        """A new incognito chat (app/chat/incognito.py): in no folder, in no store."""
+        from app.chat.incognito import INCOGNITO_TITLE, IncognitoStore
+
+        store = IncognitoStore()
+        conv = store.create_conversation(INCOGNITO_TITLE, copy_settings(self.default_settings))
+        session = self._adopt(conv, store)
+        session.incognito = True
+        return session
+
+    def _adopt(self, conv: Conversation, store: Any = None) -> ChatSession:
+        session = ChatSession(conv, self.store if store is None else store, self.bridge)
         session.manager = self
         self.sessions[conv.id] = session
         session.titleChanged.connect(lambda _t: self.conversationsChanged.emit())
@@ -785,8 +799,9 @@ class SessionManager(QObject):
                 self.store.delete_conversation(conv.id)
 
     def discard_if_unused(self, session: ChatSession) -> None:
-        """A "New Chat" never written in disappears when no pane shows it any more."""
-        if not session.tree.by_id and not session.busy:
+        """A "New Chat" never written in disappears when no pane shows it any more; an
+        incognito chat always does (its reply, if one runs, is stopped)."""
+        if session.incognito or (not session.tree.by_id and not session.busy):
             self.delete(session.id)
 
     def delete(self, conversation_id: str) -> None:
@@ -796,7 +811,8 @@ class SessionManager(QObject):
         self.bridge.cancel_session(conversation_id)
         if self.remote is not None:
             self.remote.cancel_session(conversation_id)
-        self.store.delete_conversation(conversation_id)
+        (session.store if session is not None else self.store).delete_conversation(
+            conversation_id)
         colors.forget(conversation_id)
         self.sessionDeleted.emit(conversation_id)
         self.conversationsChanged.emit()

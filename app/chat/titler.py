@@ -69,7 +69,8 @@ class ChatTitler(QObject):
             return
         session = self.manager.sessions.get(session_id)
         known = session_id in self.waiting or session_id in self.running.values()
-        if session is not None and not known and self._first_reply_done(session):
+        if (session is not None and not session.incognito and not known
+                and self._first_reply_done(session)):  # an incognito chat is never sent again
             self.waiting.append(session_id)
         if self.waiting and not self.manager.busy_sessions():
             self._timer.start()

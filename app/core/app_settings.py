@@ -7,6 +7,7 @@ logic agree on what "the model" is. Secrets are not here: see app/core/secrets.p
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,23 @@ from engine import (
     SamplingParams,
     looks_like_repo_id,
 )
+from engine.config import DEFAULT_DISK_BUDGET_MIB
+
+#: Fields that describe this run, not the user's choice: never saved.
+RUNTIME_FIELDS = ("kv_cache_dir",)
+
+
+def default_kv_cache_dir() -> Path:
+    """Where the KV disk tier lives (docs/ARCHITECTURE.md §3.14): the platform's cache folder
+    (``~/Library/Caches/PagedChat/kv`` on a Mac, ``$XDG_CACHE_HOME/pagedchat/kv`` elsewhere),
+    or ``PAGEDCHAT_KV_CACHE``. A cache, not data: deleting it only costs recomputation."""
+    override = os.environ.get("PAGEDCHAT_KV_CACHE")
+    if override:
+        return Path(override).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "PagedChat" / "kv"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pagedchat" / "kv"
 
 SETTINGS_KEY = "app_settings"
 MODEL_KINDS = ("default", "folder", "hf")
@@ -40,6 +58,11 @@ class AppSettings:
     theme: str = "system"  # "system" | "light" | "dark"
     default_system_prompt: str = ""
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
+    #: The KV disk tier's budget (0 turns it off): chats that sleep on disk (§3.14).
+    disk_budget_mib: float = float(DEFAULT_DISK_BUDGET_MIB)
+    #: The disk tier's folder for this run (set by the launcher, ``default_kv_cache_dir``;
+    #: empty: no disk tier, as in tests that build settings themselves). Never saved.
+    kv_cache_dir: str = ""
 
     # ---- the model ----------------------------------------------------------------------
 
@@ -93,6 +116,8 @@ class AppSettings:
             return f"Unknown theme {self.theme!r}."
         if not 1 <= self.kv_memory_mib <= 1 << 20:
             return "The KV memory budget must be between 1 MiB and 1 TiB."
+        if not 0 <= self.disk_budget_mib <= 1 << 24:
+            return "The disk cache budget must be between 0 (off) and 16 TiB."
         try:  # the rest is the engine's to judge, by its own rules
             self.engine_config()
         except ValueError as exc:
@@ -101,6 +126,9 @@ class AppSettings:
 
     def engine_config(self, **overrides: Any) -> EngineConfig:
         """The EngineConfig these settings describe (raises ValueError for bad values)."""
+        disk = self.kv_cache_dir if self.kv_cache_dir and self.disk_budget_mib > 0 else None
+        overrides.setdefault("disk_cache_dir", disk)
+        overrides.setdefault("disk_budget_mib", float(self.disk_budget_mib))
         return EngineConfig(
             model=self.model_spec(),
             kv_memory_mib=float(self.kv_memory_mib),
@@ -113,15 +141,18 @@ class AppSettings:
         """The settings a new chat starts with."""
         return ChatSettings(self.default_system_prompt, self.default_sampling)
 
-    def engine_key(self) -> tuple[str, float, int, str]:
+    def engine_key(self) -> tuple[str, float, int, str, float, str]:
         """What needs an engine restart when it changes."""
         return (self.model_spec(), float(self.kv_memory_mib), int(self.block_size),
-                self.kv_precision)
+                self.kv_precision, float(self.disk_budget_mib), self.kv_cache_dir)
 
     # ---- (de)serialisation ---------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return to_json(self)
+        data = to_json(self)
+        for name in RUNTIME_FIELDS:
+            data.pop(name, None)
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> AppSettings:
@@ -134,6 +165,9 @@ class AppSettings:
             out.kv_precision = "model"
         if out.block_size not in BLOCK_SIZES:
             out.block_size = AppSettings.block_size
+        if not isinstance(out.disk_budget_mib, int | float) or out.disk_budget_mib < 0:
+            out.disk_budget_mib = AppSettings.disk_budget_mib
+        out.kv_cache_dir = ""
         return out
 
     @classmethod

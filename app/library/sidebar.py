@@ -62,6 +62,14 @@ BusyRole = Qt.ItemDataRole.UserRole + 3
 StartedRole = Qt.ItemDataRole.UserRole + 4  # written in or named (else not listed yet)
 ModelRole = Qt.ItemDataRole.UserRole + 5  # the chat's remote model ("" for the local one)
 FolderRole = Qt.ItemDataRole.UserRole + 6  # the chat's folder id (None: the top level)
+#: Where the chat's context is ("memory", "disk", "recompute"; "" not known): the engine's
+#: ``ContextResidency.state``, kept by app/window/context_watch.py (docs/ARCHITECTURE.md §3.14)
+ContextRole = Qt.ItemDataRole.UserRole + 7
+#: The chat is kept warm (its blocks stay in memory while others can go): a bool
+PinnedRole = Qt.ItemDataRole.UserRole + 8
+#: What each context state reads as under a chat's title.
+CONTEXT_TEXT = {"memory": "in memory", "disk": "asleep on disk",
+                "recompute": "needs reading again"}
 
 
 def relative_time(ts: float, now: float | None = None) -> str:
@@ -82,6 +90,8 @@ class ConversationListModel(QAbstractListModel):
         self.store = store
         self._items: list[Conversation] = []
         self._busy: set[str] = set()
+        self._context: dict[str, str] = {}  # conversation id -> ContextRole's state
+        self.pinned: set[str] = set()  # conversation ids kept warm (PinnedRole)
         # a chat's model reference -> its label ("model @ provider"); set by the window
         self.model_label: Any = None
         self.reload()
@@ -98,6 +108,21 @@ class ConversationListModel(QAbstractListModel):
         for i, c in enumerate(self._items):
             if c.id == conversation_id:
                 self.dataChanged.emit(self.index(i), self.index(i))
+
+    def set_context(self, conversation_id: str, state: str) -> None:
+        """Where a chat's context is now (ContextRole); repaints its row when it changed."""
+        if self._context.get(conversation_id, "") == state:
+            return
+        self._context[conversation_id] = state
+        row = self.row_of(conversation_id)
+        if row >= 0:
+            self.dataChanged.emit(self.index(row), self.index(row))
+
+    def set_pinned(self, conversation_id: str, pinned: bool) -> None:
+        (self.pinned.add if pinned else self.pinned.discard)(conversation_id)
+        row = self.row_of(conversation_id)
+        if row >= 0:
+            self.dataChanged.emit(self.index(row), self.index(row))
 
     def rowCount(self, parent: QModelIndex | QPersistentModelIndex = QModelIndex()) -> int:  # noqa: B008
         return 0 if parent.isValid() else len(self._items)
@@ -117,7 +142,10 @@ class ConversationListModel(QAbstractListModel):
             busy = ", answering" if c.id in self._busy else ""
             model = self.data(index, ModelRole)
             model = f", {model}" if model else ""
-            return f"{c.title}, {relative_time(c.updated)}{model}{busy}"
+            context = CONTEXT_TEXT.get(self._context.get(c.id, ""), "")
+            context = f", context {context}" if context else ""
+            context += ", kept warm" if c.id in self.pinned else ""
+            return f"{c.title}, {relative_time(c.updated)}{model}{busy}{context}"
         if role == ConvIdRole:
             return c.id
         if role == UpdatedRole:
@@ -128,6 +156,10 @@ class ConversationListModel(QAbstractListModel):
             return c.active_leaf is not None or c.title != DEFAULT_TITLE
         if role == FolderRole:
             return c.folder_id
+        if role == ContextRole:
+            return self._context.get(c.id, "")
+        if role == PinnedRole:
+            return c.id in self.pinned
         return None
 
     def setData(
@@ -258,6 +290,9 @@ class ConversationDelegate(QStyledItemDelegate):
         sub = relative_time(index.data(UpdatedRole) or 0)
         if index.data(ModelRole):
             sub += f"  ·  {index.data(ModelRole)}"
+        context = CONTEXT_TEXT.get(index.data(ContextRole) or "")
+        if context:
+            sub += f"  ·  {context}" + (" (kept warm)" if index.data(PinnedRole) else "")
         if index.data(BusyRole):
             sub = "Answering…  " + sub
             painter.setPen(accent)
@@ -272,6 +307,8 @@ class ConversationDelegate(QStyledItemDelegate):
 class ConversationListView(QListView):
     openRequested = Signal(str, bool)  # conversation id, in a new pane
     deleteRequested = Signal(str)
+    sleepRequested = Signal(str)  # put the chat's context to sleep (out of memory, on disk)
+    keepWarmRequested = Signal(str, bool)  # keep the chat's context in memory, or no more
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -328,6 +365,14 @@ class ConversationListView(QListView):
         menu.addAction("Open in New Pane", lambda: self.openRequested.emit(cid, True))
         menu.addSeparator()
         menu.addAction("Rename…", lambda: self.edit(index))
+        if index.data(ContextRole):  # an open chat the engine answers for
+            warm = bool(index.data(PinnedRole))
+            keep = menu.addAction("Keep in Memory",
+                                  lambda: self.keepWarmRequested.emit(cid, not warm))
+            keep.setCheckable(True)
+            keep.setChecked(warm)
+        if index.data(ContextRole) == "memory":
+            menu.addAction("Put to Sleep", lambda: self.sleepRequested.emit(cid))
         menu.addAction("Delete…", lambda: self.deleteRequested.emit(cid))
         menu.exec(event.globalPos())
 

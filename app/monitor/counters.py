@@ -38,6 +38,8 @@ class PoolCounters:
     step_ms: float
     tokens_per_s: float
     preemptions: int
+    #: The disk tier under the pool (docs/ARCHITECTURE.md §3.14): None when it is off.
+    disk: Any = None
 
     def mib(self, blocks: int) -> float:
         return blocks * self.bytes_per_block / MIB
@@ -70,6 +72,7 @@ def pool_counters(state: PoolState) -> PoolCounters:
         step_ms=c.step_time_ms,
         tokens_per_s=c.tokens_per_s,
         preemptions=c.preemptions,
+        disk=getattr(state.snapshot, "disk", None),
     )
 
 
@@ -157,6 +160,8 @@ WIDEST = {  # the widest text each value shows (sizes the fixed-width value labe
     "step": "9,999 ms",
     "rate": "999.9 tok/s",
     "preemptions": "99,999",
+    "disk": "999.9 GiB · 99,999",
+    "disk_hits": "99,999 · 9,999 reads",
 }
 
 
@@ -177,6 +182,10 @@ class CountersWidget(QWidget):
         ("step", "Step time", "Time of one engine step (forward pass + scheduling)"),
         ("rate", "Speed", "Tokens generated per second, all chats together"),
         ("preemptions", "Preemptions", "Sequences evicted to make room (recomputed later)"),
+        ("disk", "Disk tier", "Chats asleep on disk: the size of the disk cache and its "
+         "blocks (every model's); off when the disk cache budget is 0"),
+        ("disk_hits", "Read back", "Blocks read back from disk instead of recomputed, and "
+         "the prompts looked up there"),
     )
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -283,6 +292,10 @@ class CountersWidget(QWidget):
             "step": f"{c.step_ms:,.0f} ms" if c.step_ms else "–",
             "rate": f"{c.tokens_per_s:.1f} tok/s",
             "preemptions": f"{c.preemptions:,}",
+            "disk": (f"{fmt_mib(c.disk.bytes / MIB)} · {c.disk.files:,}"
+                     + (" ⚠" if c.disk.error else "")) if c.disk is not None else "off",
+            "disk_hits": f"{c.disk.hits:,} · {c.disk.reads:,} reads"
+            if c.disk is not None else "–",
         }
         for key, text in texts.items():
             label = self.values[key]

@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
 from app.core import secrets
 from app.core.app_settings import AppSettings
 from app.core.records import ChatSettings
+from app.settings.disk_page import DiskCachePage
 from app.settings.forms import ChatSettingsForm, CheckedDialog
 from app.settings.providers_page import ProvidersPage
 from app.settings.tools_page import ToolsPage
@@ -40,7 +41,8 @@ class SettingsDialog(CheckedDialog):
     def __init__(self, settings: AppSettings, parent: QWidget | None = None,
                  registry: Any = None, tools: Any = None,
                  new_chat_defaults: tuple[SamplingParams, str] | None = None,
-                 model_info: Any = None) -> None:
+                 model_info: Any = None, disk_stats: Any = None,
+                 clear_disk: Any = None) -> None:
         super().__init__("Settings", "Settings", 520, parent)
         self._initial = settings
         self._model_info = model_info  # the loaded model's (sizes the KV precision hint)
@@ -57,6 +59,9 @@ class SettingsDialog(CheckedDialog):
         tabs.addTab(self._model_tab(settings), "&Model")
         tabs.addTab(self._defaults_tab(settings), "&New Chats")
         tabs.addTab(self._appearance_tab(settings), "&Appearance")
+        # the KV disk tier (§3.14): its budget, what it holds, Clear
+        self.disk_page = DiskCachePage(settings.disk_budget_mib, disk_stats, clear_disk)
+        tabs.addTab(self.disk_page, "Memor&y")
         self.tabs = tabs
         self.providers_page: ProvidersPage | None = None
         if registry is not None:  # applied at once (keys go straight to the keychain)
@@ -249,6 +254,8 @@ class SettingsDialog(CheckedDialog):
             theme=str(self.theme_combo.currentData()),
             default_system_prompt=self.system_prompt.toPlainText(),
             default_sampling=self._chosen_sampling(),
+            disk_budget_mib=self.disk_page.value(),
+            kv_cache_dir=self._initial.kv_cache_dir,
         )
 
     def _chosen_sampling(self) -> SamplingParams:

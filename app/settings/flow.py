@@ -48,11 +48,15 @@ class SettingsFlow:
     def open(self, tab: str | None = None) -> None:
         """Show the Settings dialog (on the Providers tab for ``tab="providers"``)."""
         w = self.window
+        bridge = getattr(w, "bridge", None)
+        snapshot = getattr(bridge, "latest_snapshot", None)
+        engine = getattr(bridge, "engine", None)
         dialog = SettingsDialog(w.settings, w, registry=w.registry,
                                 tools=getattr(w, "tools", None),
                                 new_chat_defaults=self.new_chat_sampling(),
-                                model_info=getattr(getattr(w, "bridge", None), "model_info",
-                                                   None))
+                                model_info=getattr(bridge, "model_info", None),
+                                disk_stats=getattr(snapshot, "disk", None),
+                                clear_disk=getattr(engine, "clear_disk_cache", None))
         if tab == "providers" and dialog.providers_page is not None:
             dialog.tabs.setCurrentWidget(dialog.providers_page)
         if tab == "tools" and dialog.tools_page is not None:

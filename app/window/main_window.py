@@ -45,6 +45,7 @@ from app.ui.theme import theme_manager
 from app.window.actions import THEMES, build_actions, build_toolbar, refresh_icons, shortcut_rows
 from app.window.banners import CompareBar, EngineBanner, ModelButton, PoolLabel, SpeedBanner
 from app.window.batch_panel import BatchPanel
+from app.window.context_watch import ContextWatch
 from app.window.dock_fit import DockFitter
 from app.window.pane_deck import MAX_PANES, PaneDeck
 from app.window.server_panel import ServerPanel
@@ -162,6 +163,9 @@ class MainWindow(QMainWindow):
         self.sidebar.model.renameRequested.connect(self.manager.rename)
         self.manager.conversationsChanged.connect(self._conversations_changed)
         self.manager.busyChanged.connect(self.sidebar.model.set_busy)
+        self.context_watch = ContextWatch(self)  # the sidebar's "in memory / asleep on disk"
+        self.sidebar.view.sleepRequested.connect(self.context_watch.sleep)
+        self.sidebar.view.keepWarmRequested.connect(self.context_watch.keep_warm)
         self.bridge.statusChanged.connect(self.settings_flow.show_status)
         self.bridge.snapshotUpdated.connect(self.pool_label.show_snapshot)
         self.bridge.modelReady.connect(self.settings_flow.apply_default_chat_settings)
@@ -279,6 +283,13 @@ class MainWindow(QMainWindow):
         session = self.manager.create(folder_id=folder_id)
         return self.open_chat(session.id, new_pane=new_pane)
 
+    def new_incognito_chat(self) -> ChatPane | None:
+        """An incognito chat in the focused pane (app/chat/incognito.py): never saved, its
+        memory never shared nor written to disk; it ends when its pane shows another chat or
+        closes."""
+        session = self.manager.create_incognito()
+        return self.open_chat(session.id)
+
     # ---- chat commands -------------------------------------------------------------------
 
     def send_to_all(self, text: str) -> int:
@@ -365,6 +376,7 @@ class MainWindow(QMainWindow):
             f"Delete “{conv.title}” and all its messages? This cannot be undone.",
         ):
             return False
+        self.context_watch.forget(conversation_id)  # its blocks no other chat shares
         self.manager.delete(conversation_id)
         self.deck.drop_chat(conversation_id, self.manager.latest_or_new)
         self._save_soon()

@@ -95,6 +95,8 @@ class PaneDeck(QObject):
         i = self.panes.index(pane)
         self.panes.remove(pane)
         pane.removeEventFilter(self)
+        if pane.session is not None and pane.session.incognito and pane.session.manager:
+            pane.session.manager.delete(pane.session.id)  # an incognito chat ends with its pane
         pane.detach()
         pane.hide()
         pane.setParent(None)

@@ -47,6 +47,20 @@ class BlockAllocator:
         self._unresolved: set[int] = set()  # blocks holding a PENDING token
         self.prefix_hits = 0  # full blocks reused from the cache
         self.prefix_queries = 0  # full prompt blocks looked up
+        #: The disk tier's logs (kept only while ``disk_log`` is on, engine/runner/disk_sync.py
+        #: drains them between steps): blocks named in the cache, (block, hash), to be
+        #: written in the background; cached blocks evicted for other content, (block, hash,
+        #: tokens), whose K/V must be copied off before the step overwrites them.
+        self.disk_log = False
+        self.named_log: deque[tuple[int, int]] = deque()
+        self.evicted: list[tuple[int, int, tuple[int, ...]]] = []
+        #: Blocks of incognito (private) tables back in the free list, to be zeroed in the
+        #: pool before anything reads them again.
+        self.to_zero: list[int] = []
+        #: Chats kept warm (``pin``): the hashes of their blocks, by key, and all of them;
+        #: eviction passes over these while any other cached block is evictable.
+        self._pins: dict[str, frozenset[int]] = {}
+        self.pinned: frozenset[int] = frozenset()
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -101,6 +115,46 @@ class BlockAllocator:
         if count:
             self.record_prefix_lookup(table, prompt)
         return table.num_computed
+
+    def adopt(self, h: int, tokens: Sequence[int]) -> int | None:
+        """A full block read back from the disk tier becomes a cached, evictable block
+        named ``h`` (a prompt then reuses it as any cached block). Returns the block, whose
+        K/V the caller writes before the next step; None when the content is in the pool
+        already or no block is available. May evict the least recently used cached block
+        (logged in ``evicted``)."""
+        if len(tokens) != self.block_size:
+            raise ValueError("only full blocks are adopted")
+        if self.prefix_index.block_for(h) is not None or not self.num_available:
+            return None
+        block = self._take_block()
+        self._tokens[block] = tuple(tokens)
+        self._fill[block] = self.block_size
+        self.prefix_index.name(block, h)
+        self._evictable[block] = None
+        return block
+
+    def drop_cached(self, h: int) -> int | None:
+        """Forget the cached block named ``h`` if no table holds it (a chat put to sleep or
+        deleted): back to the free list. Returns the block, or None."""
+        block = self.prefix_index.block_for(h)
+        if block is None or self._refcount[block]:
+            return None
+        del self._evictable[block]
+        self.prefix_index.drop(block)
+        self._tokens[block] = ()
+        self._fill[block] = 0
+        self._free.append(block)
+        return block
+
+    def pin(self, key: str, hashes: Sequence[int] | None) -> None:
+        """Keep the cached blocks named ``hashes`` in the pool (a chat kept warm), replacing
+        what ``key`` pinned before; None unpins. Best effort: when every evictable block is
+        pinned, the least recently used is evicted anyway (a pin never makes the pool fail)."""
+        if hashes is None:
+            self._pins.pop(key, None)
+        else:
+            self._pins[key] = frozenset(hashes)
+        self.pinned = frozenset().union(*self._pins.values())
 
     def record_prefix_lookup(self, table: BlockTable, prompt: Sequence[int]) -> None:
         """Count a prompt's full blocks as prefix-cache queries and its reused ones as hits."""
@@ -180,7 +234,10 @@ class BlockAllocator:
                 break
             parent = chain_hash(parent, chunk)
             table.hashes.append(parent)
-            self.prefix_index.pend(parent)
+            if table.private:  # never offered: nobody waits for it, nobody reuses it
+                table.num_offered_to_cache = len(table.hashes)
+            else:
+                self.prefix_index.pend(parent)
 
     def mark_computed(self, table: BlockTable) -> None:
         """Record that every reserved slot of ``table`` now holds its K/V, and name each newly
@@ -191,7 +248,8 @@ class BlockAllocator:
             self.prefix_index.unpend(h)
             # A block with the same content may already be cached (two chats computed the
             # same prefix at once): that one stays named; this one stays private.
-            self.prefix_index.name(table.blocks[i], h)
+            if self.prefix_index.name(table.blocks[i], h) and self.disk_log:
+                self.named_log.append((table.blocks[i], h))
         table.num_offered_to_cache = len(table.hashes)
 
     # ---- sharing ----------------------------------------------------------------------------
@@ -205,6 +263,7 @@ class BlockAllocator:
             num_computed=table.num_computed,
             hashes=list(table.hashes),
             num_offered_to_cache=table.num_offered_to_cache,
+            private=table.private,
         )
         for h in child.hashes[child.num_offered_to_cache :]:
             self.prefix_index.pend(h)
@@ -218,6 +277,8 @@ class BlockAllocator:
             self.prefix_index.unpend(h)
         for block in reversed(table.blocks):
             self._release(block, table.owner)
+            if table.private and not self._refcount[block]:
+                self.to_zero.append(block)
         table.blocks.clear()
         table.tokens.clear()
         table.num_computed = 0
@@ -279,12 +340,27 @@ class BlockAllocator:
         if self._free:
             block = self._free.popleft()
         elif self._evictable:
-            block, _ = self._evictable.popitem(last=False)
+            block = self._victim()
+            if self.disk_log:
+                self.evicted.append((block, self.prefix_index.hash_of(block),
+                                     self._tokens[block]))
             self.prefix_index.drop(block)
         else:
             raise NoFreeBlocksError("the KV pool is full")
         self._tokens[block] = ()
         self._fill[block] = 0
+        return block
+
+    def _victim(self) -> int:
+        """The least recently used evictable block that no pin keeps; the least recently
+        used of all when every one is pinned. Taken out of the LRU."""
+        if self.pinned:
+            hash_of = self.prefix_index.hash_of
+            for block in self._evictable:
+                if hash_of(block) not in self.pinned:
+                    del self._evictable[block]
+                    return block
+        block, _ = self._evictable.popitem(last=False)
         return block
 
     def _copy_on_write(self, table: BlockTable, shared: int) -> int:

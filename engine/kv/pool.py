@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from engine.kv import int8
 
@@ -132,3 +133,54 @@ class KVPool:
                 arrays[layer][dst] = r
         del rows
         mx.eval(self.arrays())
+
+    # ---- the disk tier (engine/kv/disk_tier.py): whole blocks to and from host memory -----
+
+    def host_dtype(self, dtype: mx.Dtype) -> np.dtype:
+        """The numpy dtype a pool array travels to the host as (bfloat16, which numpy does
+        not know, as its bits in uint16)."""
+        return np.dtype(np.uint16) if dtype == mx.bfloat16 else np.dtype(_NUMPY[dtype])
+
+    def _held(self) -> list[list[mx.array]]:
+        return [self.keys, self.values, *([self.k_scales, self.v_scales]
+                                           if self.shape.quantized else [])]
+
+    def read_blocks(self, blocks: list[int]) -> list[np.ndarray]:
+        """Copies of ``blocks`` in every layer, on the host: K, V (and an 8-bit pool's K and
+        V scales), each ``[layers, len(blocks), ...]`` in the pool's own format. Evaluated
+        before returning, so no lazy read holds a reference to the pool's buffers (the next
+        write would copy the whole pool)."""
+        idx = mx.array(blocks, dtype=mx.int32)
+        stacked = [mx.stack([a[idx] for a in arrays]) for arrays in self._held()]
+        mx.eval(stacked)
+        out = []
+        for a in stacked:
+            bits = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+            out.append(np.array(bits, copy=True))
+        return out
+
+    def write_blocks(self, blocks: list[int], parts: list[np.ndarray]) -> None:
+        """Write whole blocks back (``parts`` as ``read_blocks`` returns them), in place."""
+        idx = mx.array(blocks, dtype=mx.int32)
+        for arrays, part in zip(self._held(), parts, strict=True):
+            for layer, a in enumerate(arrays):
+                # contiguous first: MLX converts a strided numpy array element by element
+                # (measured: 48 ms against 1.5 ms a layer of 48 blocks)
+                value = mx.array(np.ascontiguousarray(part[layer]))
+                if a.dtype == mx.bfloat16:
+                    value = value.view(mx.bfloat16)
+                arrays[layer][idx] = value
+        mx.eval(self.arrays())
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Overwrite ``blocks`` with zeros in every layer (an incognito chat's, released)."""
+        if not blocks:
+            return
+        idx = mx.array(blocks, dtype=mx.int32)
+        for arrays in self._held():
+            for layer, a in enumerate(arrays):
+                arrays[layer][idx] = mx.zeros((len(blocks), *a.shape[1:]), dtype=a.dtype)
+        mx.eval(self.arrays())
+
+
+_NUMPY = {mx.float32: np.float32, mx.float16: np.float16, mx.int8: np.int8}

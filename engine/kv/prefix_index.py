@@ -35,12 +35,19 @@ class PrefixIndex:
     def is_named(self, block: int) -> bool:
         return self._hash[block] is not None
 
-    def name(self, block: int, h: int) -> None:
-        """Name ``block`` by ``h`` unless it or that content is named already."""
+    def hash_of(self, block: int) -> int | None:
+        """``block``'s name, if it has one."""
+        return self._hash[block]
+
+    def name(self, block: int, h: int) -> bool:
+        """Name ``block`` by ``h`` unless it or that content is named already; True when
+        it was named now."""
         if self._hash[block] is None and h not in self._by_hash:
             self._hash[block] = h
             self._named[block] = True
             self._by_hash[h] = block
+            return True
+        return False
 
     def drop(self, block: int) -> None:
         """Forget ``block``'s name (it is being reused for other content)."""

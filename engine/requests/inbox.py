@@ -33,6 +33,7 @@ class Submit:
     params: SamplingParams
     handle: RequestHandle
     priority: Priority = Priority.NORMAL
+    incognito: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,21 @@ class Cancel:
     session_id: str | None = None
 
 
+@dataclass(frozen=True)
+class Context:
+    """Something done to a conversation's cached context (engine/runner/disk_sync.py):
+    ``action`` "sleep" (out of the pool, onto the disk tier), "forget" (deleted, but for
+    the blocks ``keep`` shares) or "pin" (kept warm under ``key``; ``unpin``: no more)."""
+
+    action: str
+    tokens: tuple[int, ...]
+    keep: tuple[tuple[int, ...], ...] = ()
+    key: str = ""
+    unpin: bool = False
+
+
 STOP = object()  # ends the thread's loop; everything queued behind it is answered
+WAKE = object()  # wakes a sleeping thread (the disk tier's reader answered); nothing else
 
 
 def answer_queued(inbox: queue.Queue, reason: FinishReason, message: str | None,
@@ -79,6 +94,7 @@ def accept(item: Submit, tokenizer, max_context: int, scheduler: Scheduler, outp
             refuse(item.handle, item.handle.n, FinishReason.ERROR, refusal, request)
             return
         request.priority = item.priority
+        request.incognito = item.incognito
         scheduler.add(request.sequences[0])  # samples 1.. fork after the prompt
     except Exception as e:
         logger.exception("request %s could not be accepted", item.request_id)
@@ -87,6 +103,8 @@ def accept(item: Submit, tokenizer, max_context: int, scheduler: Scheduler, outp
         return
     output.requests[request.request_id] = request
     telemetry.add_session(item.session_id)
+    if item.incognito:  # the snapshot marks the chat (SessionStats.incognito)
+        telemetry.incognito.add(item.session_id)
 
 
 def beam_refusal(params: SamplingParams, scheduler) -> str | None:

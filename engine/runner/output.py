@@ -207,4 +207,5 @@ def usage(request: Request, generated: int, seq: Sequence) -> Usage:
         time_to_first_token_s=(first - request.arrival) if first is not None else None,
         total_time_s=now - request.arrival,
         decode_tokens_per_s=(generated - 1) / decode_s if generated > 1 and decode_s else 0.0,
+        disk_prompt_tokens=min(request.disk_prompt_tokens, request.cached_prompt_tokens),
     )

@@ -93,6 +93,8 @@ class StepRunner:
         #: steps launched while the previous step's tokens were still unread on the device
         self.launched_ahead = 0
         self._times = StepTimes()
+        #: The disk tier's engine-thread side (engine/runner/disk_sync.py), or None.
+        self.disk = None
 
     def step(self) -> None:
         """schedule -> launch -> finish the previous step (see the module's docstring)."""
@@ -101,8 +103,13 @@ class StepRunner:
         if self._inflight is not None and self._inflight.synchronous:
             self._end_inflight()  # a grammar's mask or a beam search's next tokens need it
             self.release_finished()  # what it ended gives its blocks back before planning
+        self.zero_released()
+        if self.disk is not None:
+            self.disk.restore()  # blocks read back from disk join the prefix cache first
         budget = self.prefill.budget(self.scheduler.decoding, self.scheduler.prompt_context)
         plan = self.scheduler.schedule(budget, continue_prompts=not self.prefill.holding)
+        if self.disk is not None:
+            self.disk.save_evicted()  # before the step writes into the blocks it evicted
         self._end_failed(plan.failed)
         launched = None
         if plan.works:
@@ -118,6 +125,8 @@ class StepRunner:
             if not self.overlap:
                 self._end_inflight()
         self.release_finished()
+        if self.disk is not None:
+            self.disk.write_through()  # a few newly cached blocks, for the writer thread
         if not plan.works:
             return
         t1 = time.perf_counter()
@@ -128,6 +137,14 @@ class StepRunner:
         self.prefill.observe(t1 - t0, decodes, prompt_tokens,
                              positions / prompt_tokens if prompt_tokens else 0.0)
         self.telemetry.step(len(plan.works), t1 - t0, times)
+
+    def zero_released(self) -> None:
+        """Zero the blocks incognito chats gave back, before anything can take them again
+        (engine/kv/blocks.py ``to_zero``)."""
+        alloc = self.scheduler.alloc
+        if alloc.to_zero:
+            blocks, alloc.to_zero = alloc.to_zero, []
+            self.pool.zero_blocks([b for b in blocks if not alloc.refcount(b)])
 
     def release_finished(self) -> None:
         """The one place sequences leave the scheduler: those the output ended since the

@@ -140,6 +140,8 @@ class Telemetry:
         # Chats shown even while they run nothing, least recently active first, with the
         # priority last set for them (engine.Priority's value; NORMAL until set).
         self._sessions: OrderedDict[str, int] = OrderedDict()
+        #: Sessions that sent an incognito request (SessionStats.incognito)
+        self.incognito: set[str] = set()
         self._last_snapshot = float("-inf")
 
     # ---- reading (any thread) -------------------------------------------------------------
@@ -163,7 +165,8 @@ class Telemetry:
         self._sessions[session_id] = self._sessions.get(session_id, 1)
         self._sessions.move_to_end(session_id)
         while len(self._sessions) > RECENT_SESSIONS:
-            self._sessions.popitem(last=False)
+            gone, _ = self._sessions.popitem(last=False)
+            self.incognito.discard(gone)
 
     def set_priority(self, session_id: str, priority: int) -> None:
         """The priority the app last set for a chat, shown while it runs nothing. A chat
@@ -174,6 +177,7 @@ class Telemetry:
 
     def forget_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
+        self.incognito.discard(session_id)
         self.rates.forget(session_id)
 
     def token(self, session_id: str, now: float) -> None:
@@ -206,9 +210,11 @@ class Telemetry:
         paged: bool = True,
         kv_dtype: str = "",
         full_bytes_per_block: int = 0,
+        disk=None,
     ) -> None:
         """Build a snapshot if one was asked for and the last is ``SNAPSHOT_INTERVAL_S``
-        old, or if ``force`` (the engine went idle, or loaded, or stopped)."""
+        old, or if ``force`` (the engine went idle, or loaded, or stopped). ``disk``: the
+        disk tier (engine/kv/disk_tier.py), whose stats the snapshot carries."""
         if not force and not self.wanted:
             return
         now = self.clock()
@@ -248,6 +254,7 @@ class Telemetry:
             paged=paged,
             kv_dtype=kv_dtype,
             full_bytes_per_block=full_bytes_per_block or bytes_per_block,
+            disk=disk.stats() if disk is not None else None,
         )
 
     def _session_stats(self, requests: Iterable[Request], alloc: BlockAllocator,
@@ -291,6 +298,7 @@ class Telemetry:
                 prompt_tokens_total=s["prompt_total"],
                 priority=s["priority"] if s["requests"] else self._sessions.get(sid, 1),
                 waiting_reason=s["waiting_reason"],
+                incognito=sid in self.incognito,
             )
         return result
 

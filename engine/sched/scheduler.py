@@ -59,6 +59,7 @@ WAIT_PREFIX = "waiting: its prompt's first blocks are being computed for another
 WAIT_BUDGET = "waiting: this step's prompt budget went to chats of higher priority"
 WAIT_YIELD = "reading its prompt slowly: chats of higher priority are running"
 WAIT_PREEMPTED = "preempted: the pool was full; it will be recomputed"
+WAIT_DISK = "reading its context back from disk"
 
 
 @dataclass
@@ -88,6 +89,8 @@ class Scheduler:
         self.running: dict[int, Sequence] = {}
         self.steps = 0
         self.preemptions = 0
+        #: The disk tier (engine/kv/disk_tier.py ``DiskTier``: ``has``, ``read``), or None.
+        self.disk = None
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -108,6 +111,21 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+    @property
+    def only_reading_disk(self) -> bool:
+        """Nothing can run until the disk tier's reader answers: the engine may sleep on its
+        inbox (the reader wakes it)."""
+        return (not self.running and bool(self.waiting)
+                and all(s.disk_lookup == "reading" for s in self.waiting.values()))
+
+    def disk_read_done(self, seq_id: int) -> None:
+        """The reader answered for ``seq_id`` (its blocks, if any, are in the prefix cache
+        now): it is admitted as usual, and not looked up on disk again."""
+        seq = self.waiting.get(seq_id)
+        if seq is not None and seq.disk_lookup == "reading":
+            seq.disk_lookup = "done"
+            seq.waiting_reason = ""
 
     @property
     def capacity_tokens(self) -> int:
@@ -309,6 +327,9 @@ class Scheduler:
             if seq.seq_id in just_preempted:
                 self._wait(seq, WAIT_POOL)
                 continue
+            if seq.disk_lookup == "reading":  # the others go on meanwhile
+                seq.waiting_reason = WAIT_DISK
+                continue
             if not blocked and used >= budget:
                 blocked = WAIT_BUDGET
             if not blocked and len(self.running) >= self.max_batch:
@@ -324,11 +345,16 @@ class Scheduler:
                 del self.waiting[seq.seq_id]
                 plan.failed.append((seq, self._too_long_message(seq.length)))
                 continue
-            table = BlockTable(owner=seq.session_id)
-            cached = self.alloc.reuse_prefix(table, seq.tokens, count=False)
-            if self.alloc.prefix_pending(table, seq.tokens):
+            private = seq.request.incognito
+            table = BlockTable(owner=seq.session_id, private=private)
+            cached = 0 if private else self.alloc.reuse_prefix(table, seq.tokens, count=False)
+            if not private and self.alloc.prefix_pending(table, seq.tokens):
                 self.alloc.free(table)  # its next blocks are being computed: share them next step
                 self._wait(seq, WAIT_PREFIX)
+                continue
+            if not private and self._read_from_disk(seq, table):
+                self.alloc.free(table)
+                seq.waiting_reason = WAIT_DISK
                 continue
             cap = budget - used
             if share is not None and self._yields(seq, urgent):
@@ -352,6 +378,20 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             used += n
         return used
+
+    def _read_from_disk(self, seq: Sequence, table: BlockTable) -> bool:
+        """Ask the disk tier for the run of full prompt blocks on disk that follows
+        ``table``'s reused prefix; True when ``seq`` now waits for the reader. Looked up
+        once per admission (a preemption looks again): hashes and a set lookup."""
+        if self.disk is None or seq.disk_lookup:
+            return False
+        seq.disk_lookup = "done"
+        hashes, chunks = self.disk.run_on_disk(table.hashes, seq.tokens, self.alloc.block_size)
+        if not hashes:
+            return False
+        seq.disk_lookup = "reading"
+        self.disk.read(seq.seq_id, hashes, chunks)
+        return True
 
     def _beams_fit(self, seq: Sequence) -> bool:
         """A preempted beam search comes back whole: its beams step together, so beams
@@ -474,6 +514,7 @@ class Scheduler:
         self.alloc.free(seq.table)
         seq.table = None
         seq.state = SequenceState.PREEMPTED
+        seq.disk_lookup = ""  # its blocks may have gone to disk by the time it returns
         seq.waiting_reason = WAIT_PREEMPTED
         seq.preemptions += 1
         self.preemptions += 1

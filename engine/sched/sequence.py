@@ -44,6 +44,11 @@ class Request:
     #: A beam search's group (engine/sched/beams.py ``BeamGroup``); None for sampling and
     #: greedy requests.
     beams: Any = None
+    #: An incognito chat's request: its blocks are private (engine/kv/block_table.py), never
+    #: shared, never written to disk, zeroed when released.
+    incognito: bool = False
+    #: Prompt tokens whose K/V were read back from the disk tier (engine/kv/disk_tier.py).
+    disk_prompt_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -84,6 +89,9 @@ class Sequence:
     #: The grammar's matcher of a constrained request (llguidance's LLMatcher,
     #: engine/runner/constraints.py): it has consumed every token the reply accepted.
     matcher: Any = None
+    #: Its prompt's blocks on the disk tier: "" not looked up yet, "reading" (it waits for
+    #: the reader thread), "done" (read back, or none there: not looked up again).
+    disk_lookup: str = ""
 
     @property
     def session_id(self) -> str:

@@ -523,6 +523,41 @@ def int8_pool(results: Results, folder: Path, sizes: Sizes, modes: list[str]) ->
         results.timings["int8 kernel=reference replies"] = same / len(prompts)
 
 
+def disk_tier(results: Results, folder: Path, ref: Reference, sizes: Sizes, mode: str,
+              cache: Path) -> None:
+    """The disk tier (docs/ARCHITECTURE.md §3.14) on this device: a prompt's blocks written
+    by one engine (copied off the pool: gathers, an evaluated stack, a host copy) and read
+    back into the pool by a fresh one (whole-block scatters), on a pool of the model's dtype
+    and on an 8-bit one: the restarted engine's greedy reply equals the first's (and, at the
+    model's dtype, mlx-lm's), and every full block came from disk."""
+    prompt = prompt_of(max(sizes.prompt_lengths[-2], 3 * sizes.block_size + 1), sizes.vocab,
+                       seed=61)
+    greedy = SamplingParams(temperature=0.0, max_tokens=sizes.new_tokens)
+    whole = (len(prompt) - 1) // sizes.block_size * sizes.block_size
+    for precision in ("model", "int8"):
+        name = f"[disk {mode} {precision}]"
+        replies = []
+        for run in ("first", "restart"):
+            eng = start(folder, sizes, attention=mode, kv_precision=precision,
+                        disk_cache_dir=str(cache / precision))
+            try:
+                tokens, finals = collect(eng.submit(prompt_tokens=prompt, params=greedy,
+                                                    session_id=f"disk-{run}"))
+            finally:
+                eng.stop()
+            if not ended_well(results, f"{name} {run}", finals):
+                return
+            replies.append(tokens.get(0, []))
+        read = finals[0].usage.disk_prompt_tokens
+        results.check(f"{name} every full block read back", read == whole,
+                      f"{read} of {whole} prompt tokens from disk")
+        results.check(f"{name} restart replies as the first run", replies[1] == replies[0],
+                      f"{replies[1]} vs {replies[0]}")
+        if precision == "model":
+            compare_greedy(results, f"{name} restart greedy", replies[1],
+                           *ref.greedy(prompt, sizes.new_tokens))
+
+
 def beam_search(results: Results, eng: Engine, ref: Reference, sizes: Sizes) -> None:
     """A width-4 beam search (n = 2) against the plain one of tests/reference.py on mlx-lm's
     cache. A near-tie between two candidates may rank them the other way in a batched paged
@@ -652,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 eng.stop()
             cancel_mid_prefill(results, folder, sizes, mode)
+            disk_tier(results, folder, ref, sizes, mode, Path(tmp) / f"kv-{mode}")
         preemption(results, folder, ref, sizes)
         int8_pool(results, folder, sizes, modes)
         constrained(results, write_model_folder(Path(tmp) / "check-bytes", sizes,
