@@ -337,7 +337,9 @@ class Engine:
                 if rt.disk is not None:
                     if idle:  # write the open chats' blocks while nothing else runs
                         self._write_while_idle(rt.disk)
-                    idle = idle or rt.scheduler.only_reading_disk  # the reader wakes it
+                    # the reader wakes it (unless an answer is half written: go on)
+                    idle = idle or (rt.scheduler.only_reading_disk
+                                    and not rt.disk.restoring)
                 running = self._drain_inbox(block=idle)
                 rt.stepper.release_finished()  # what the commands ended (cancels)
                 if running and rt.scheduler.has_work:

@@ -36,6 +36,7 @@ from engine.kv.blocks import BlockAllocator
 from engine.kv.disk_format import BadBlockFile, BlockLayout
 from engine.kv.disk_tier import DiskTier, WriteBatch
 from engine.kv.invariants import check_invariants
+from engine.runner import disk_sync
 from tests.reference import chat_prompt, greedy_reference, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -321,6 +322,48 @@ def test_a_restarted_engine_reads_the_prompt_back_and_replies_the_same(
     assert final.usage.disk_prompt_tokens == final.usage.cached_prompt_tokens == restored
     stats = engine.snapshot().disk
     assert stats.hits == full_blocks(prompt) and stats.reads == 1 and stats.discarded == 0
+
+
+def test_a_read_back_beside_a_streaming_chat_is_written_a_few_blocks_a_step(
+        warm, prompt, expected, tmp_path, monkeypatch) -> None:
+    """While another chat decodes, a long chat's read-back must not stall it for the whole
+    restore: its blocks go into the pool over several steps (here one a step), and the reply
+    is still the full-prefill one."""
+    monkeypatch.setattr(disk_sync, "STEP_RESTORE_BYTES", 1)  # one block a step
+    engine = Engine(config(copy_of(warm, tmp_path)))
+    engine.start()
+    assert engine.wait_ready(120), engine.load_error
+    try:
+        pool = engine.runtime.pool
+        written: list[int] = []
+        write_blocks = pool.write_blocks
+
+        def counted(blocks, parts):
+            written.append(len(blocks))
+            return write_blocks(blocks, parts)
+
+        pool.write_blocks = counted
+        other_prompt = chat_prompt([{"role": "user", "content": "Count from one to a hundred."}])
+        other = engine.submit(prompt_tokens=other_prompt,
+                              params=SamplingParams(temperature=0.0, max_tokens=400))
+        first = next(iter(other))
+        assert isinstance(first, TokenEvent)  # the other chat is decoding
+        tokens, final = generate(engine, prompt)
+        assert not other.done  # it streamed all along
+        other.cancel()
+        other.result(60)
+    finally:
+        engine.stop()
+    assert tokens == expected
+    # The chat template's opening block is the other chat's too: read back for it.
+    shared = next(i for i in range(full_blocks(prompt))
+                  if prompt[i * BS:(i + 1) * BS] != other_prompt[i * BS:(i + 1) * BS])
+    assert final.usage.cached_prompt_tokens == full_blocks(prompt) * BS
+    assert final.usage.disk_prompt_tokens == (full_blocks(prompt) - shared) * BS > 0
+    # Every block came from disk, one a step: the shared opening one(s) for the other chat
+    # (it found them on disk too), the rest for this one.
+    assert written == [1] * full_blocks(prompt)
+    check_invariants(engine.runtime.alloc, [])
 
 
 def test_damaged_truncated_and_foreign_files_are_recomputed_never_used(

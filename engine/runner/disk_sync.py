@@ -13,8 +13,8 @@ engine thread moves K/V between the pool and host memory, at three points of its
   chat's blocks are on disk before the app quits;
 * **before scheduling** (:meth:`DiskSync.restore`): prompts the reader thread has answered
   get their blocks adopted into the prefix cache (engine/kv/blocks.py ``adopt``) and their
-  K/V written into the pool; the scheduler then admits them as prompts whose prefix is
-  cached, and prefills only the rest.
+  K/V written into the pool (a few blocks a step while other chats are stepping); the
+  scheduler then admits them as prompts whose prefix is cached, and prefills only the rest.
 
 Copying off is one gather per call (``KVPool.read_blocks``: every layer's rows stacked and
 evaluated, then one numpy copy); the files are written by the writer thread.
@@ -23,12 +23,14 @@ evaluated, then one numpy copy); the files are written by the writer thread.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engine.events import ContextResidency
 from engine.kv.block_table import chain_hash
 from engine.kv.blocks import BlockAllocator
-from engine.kv.disk_tier import DiskTier, WriteBatch
+from engine.kv.disk_tier import DiskTier, ReadResult, WriteBatch
 from engine.kv.pool import KVPool
 from engine.sched.scheduler import Scheduler
 
@@ -38,8 +40,20 @@ logger = logging.getLogger(__name__)
 #: it must save are not counted: they cannot wait). About 5 blocks of the default model's
 #: fp32 pool; measured in bench/disk_resume.py (step-time p99 with the writer busy).
 STEP_WRITE_BYTES = 4 * 2**20
+#: Bytes of blocks read back from disk that a step writes into the pool at most while other
+#: chats are stepping (about 11 blocks of the default model's fp32 pool, ~1 ms each on the
+#: CPU); a restore with nothing else running takes everything at once.
+STEP_RESTORE_BYTES = 8 * 2**20
 #: Blocks copied per call while the engine is idle (it checks its inbox between calls).
 IDLE_WRITE_BLOCKS = 64
+
+
+@dataclass
+class _Restore:
+    """A reader's answer being written into the pool, a few blocks a step."""
+
+    result: ReadResult
+    next: int = 0  # the first of its blocks not adopted yet
 
 
 class DiskSync:
@@ -49,6 +63,7 @@ class DiskSync:
         self.pool = pool
         self.alloc = alloc
         self.scheduler = scheduler
+        self._restoring: deque[_Restore] = deque()
         alloc.disk_log = True
         scheduler.disk = tier
 
@@ -89,34 +104,65 @@ class DiskSync:
         self.tier.write(WriteBatch(arrays, [(j, h, t) for j, (_, h, t) in enumerate(todo)],
                                    sum(a.nbytes for a in arrays)))
 
+    @property
+    def restoring(self) -> bool:
+        """A read-back answer is half written into the pool (other chats were stepping)."""
+        return bool(self._restoring)
+
     def restore(self) -> None:
         """Adopt the blocks the reader has brought back, write their K/V into the pool, and
-        let their sequences be admitted."""
+        let their sequences be admitted. While other chats are stepping, at most
+        ``STEP_RESTORE_BYTES`` a call (a long chat's read-back spreads over a few steps
+        instead of stalling them); all at once when nothing else runs."""
         while (result := self.tier.take_read()) is not None:
-            blocks, columns = [], []
-            # Adopted blocks join the LRU's newest end: at most as many as are available
-            # now, so that adopting never evicts a block adopted a moment before.
-            room = self.alloc.num_available
-            for j, (h, tokens) in enumerate(zip(result.hashes, result.tokens, strict=True)):
-                if len(blocks) >= room:
-                    break
-                block = self.alloc.adopt(h, tokens)
-                if block is None:
-                    if self.alloc.prefix_index.block_for(h) is None:
-                        break  # the pool is full: the rest is recomputed
-                    continue  # already in the pool (another chat computed it meanwhile)
+            self._restoring.append(_Restore(result))
+        budget = None
+        if self.scheduler.running:
+            budget = max(1, STEP_RESTORE_BYTES // self.pool.bytes_per_block)
+        while self._restoring and (budget is None or budget > 0):
+            job = self._restoring[0]
+            end = len(job.result.hashes) if budget is None else min(
+                len(job.result.hashes), job.next + budget)
+            written = self._restore_columns(job, end)
+            if budget is not None:
+                budget -= max(1, written)
+            if job.next < len(job.result.hashes):
+                continue  # more of this answer next call (or the pool was full: stopped)
+            self._restoring.popleft()
+            self.scheduler.disk_read_done(job.result.key)
+
+    def _restore_columns(self, job: _Restore, end: int) -> int:
+        """Adopt and write the answer's blocks ``job.next:end``; returns how many were
+        written. When the pool has no room, the rest of the answer is dropped (recomputed)."""
+        result = job.result
+        blocks, columns = [], []
+        # Adopted blocks join the LRU's newest end: at most as many as are available now,
+        # so that adopting never evicts a block adopted a moment before.
+        room = self.alloc.num_available
+        j = job.next
+        while j < end:
+            if len(blocks) >= room:
+                j = len(result.hashes)  # the pool is full: the rest is recomputed
+                break
+            block = self.alloc.adopt(result.hashes[j], result.tokens[j])
+            if block is None and self.alloc.prefix_index.block_for(result.hashes[j]) is None:
+                j = len(result.hashes)  # the pool is full: the rest is recomputed
+                break
+            if block is not None:  # (None: in the pool already, another chat computed it)
                 blocks.append(block)
                 columns.append(j)
-            self.save_evicted()  # adopting may have evicted blocks: copied off first
-            if blocks:
-                whole = columns == list(range(len(result.hashes)))
-                parts = result.arrays if whole else [a[:, columns] for a in result.arrays]
-                self.pool.write_blocks(blocks, parts)
-                self.tier.count_hits(len(blocks))
+            j += 1
+        job.next = j
+        self.save_evicted()  # adopting may have evicted blocks: copied off first
+        if blocks:
+            whole = columns == list(range(len(result.hashes)))
+            parts = result.arrays if whole else [a[:, columns] for a in result.arrays]
+            self.pool.write_blocks(blocks, parts)
+            self.tier.count_hits(len(blocks))
             seq = self.scheduler.waiting.get(result.key)
             if seq is not None:
                 seq.request.disk_prompt_tokens += len(blocks) * self.alloc.block_size
-            self.scheduler.disk_read_done(result.key)
+        return len(blocks)
 
     def close(self) -> None:
         """Before the engine stops: every named block not on disk yet is copied off, and the
