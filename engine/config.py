@@ -73,6 +73,11 @@ class EngineConfig:
         a quarter of fp32's), or "auto" (int8 when the budget is short of ``max_batch`` full
         contexts at the model's own precision). The engine's default is "model" (its greedy
         replies equal mlx-lm's); the app passes the user's choice, "auto" unless changed.
+    speculative: speculative decoding without a draft model (docs/ARCHITECTURE.md §3.13):
+        decoding chats propose drafts from their own context and their siblings' replies,
+        verified in the same step; each chat's draft length follows its acceptance and the
+        measured cost, so drafting stops where it does not pay. Outputs are unchanged
+        (greedy: the same tokens; sampled: the same distributions). False: never draft.
     """
 
     model: str = "default"
@@ -86,6 +91,7 @@ class EngineConfig:
     quantized: bool | None = None
     attention: str = "auto"  # "auto", "reference" or "kernel"
     kv_precision: str = "model"  # "auto", "model" or "int8" (KV_PRECISIONS)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:
@@ -110,6 +116,8 @@ class EngineConfig:
                 "kv_precision must be 'auto', 'model' (the model's own K/V dtype) or 'int8' "
                 f"(8-bit K/V), got {self.kv_precision!r}"
             )
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
         if not self.model:
             raise ValueError("model must name 'default', a folder or a Hugging Face repo id")
 

@@ -32,6 +32,7 @@ from engine.runner.step import StepRunner
 from engine.runner.telemetry import Telemetry
 from engine.sched.prefill_budget import MIN_PROMPT_TOKENS, PrefillBudget
 from engine.sched.scheduler import Scheduler
+from engine.sched.speculation import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry) -> Runtime:
     output = Output(telemetry, set(loaded.tokenizer.eos_token_ids), max_context)
     prefill = PrefillBudget(cfg.prefill_chunk, MIN_PROMPT_TOKENS, cfg.prefill_target)
     stepper = StepRunner(scheduler, pool, paged_model, output, telemetry, prefill,
-                         overlap=overlap_steps(cfg, mx.default_device() == mx.gpu))
+                         overlap=overlap_steps(cfg, mx.default_device() == mx.gpu),
+                         speculator=Speculator(enabled=cfg.speculative))
     info = ModelInfo(
         name=loaded.name,
         model_type=loaded.model_type,

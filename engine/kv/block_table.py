@@ -34,6 +34,11 @@ class BlockTable:
     num_computed: int = 0
     hashes: list[int] = field(default_factory=list)  # chain hash of each full block
     num_offered_to_cache: int = 0  # leading full blocks already offered to the prefix cache
+    #: Trailing tokens that are speculative drafts (engine/sched/speculation.py): their slots
+    #: hold K/V once the step runs, but they are not the sequence's tokens until verified, so
+    #: no block holding one is hashed; ``BlockAllocator.settle_drafts`` keeps the accepted
+    #: ones and rolls the rest back.
+    num_provisional: int = 0
 
     @property
     def num_tokens(self) -> int:
