@@ -38,6 +38,11 @@ class PoolCounters:
     step_ms: float
     tokens_per_s: float
     preemptions: int
+    #: speculative decoding (engine Counters): the share of drafts accepted, and the
+    #: tokens they gained (accepted drafts), 0 when none was verified
+    draft_acceptance: float = 0.0
+    drafts_gained: int = 0
+    drafts_verified: int = 0
 
     def mib(self, blocks: int) -> float:
         return blocks * self.bytes_per_block / MIB
@@ -70,6 +75,9 @@ def pool_counters(state: PoolState) -> PoolCounters:
         step_ms=c.step_time_ms,
         tokens_per_s=c.tokens_per_s,
         preemptions=c.preemptions,
+        draft_acceptance=c.draft_acceptance,
+        drafts_gained=c.accepted_draft_tokens,
+        drafts_verified=c.draft_tokens,
     )
 
 
@@ -157,6 +165,7 @@ WIDEST = {  # the widest text each value shows (sizes the fixed-width value labe
     "step": "9,999 ms",
     "rate": "999.9 tok/s",
     "preemptions": "99,999",
+    "drafts": "100 % · +9,999,999",
 }
 
 
@@ -177,6 +186,8 @@ class CountersWidget(QWidget):
         ("step", "Step time", "Time of one engine step (forward pass + scheduling)"),
         ("rate", "Speed", "Tokens generated per second, all chats together"),
         ("preemptions", "Preemptions", "Sequences evicted to make room (recomputed later)"),
+        ("drafts", "Drafts", "Speculative decoding: the share of drafted tokens accepted, "
+         "and the tokens they gained"),
     )
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -283,6 +294,9 @@ class CountersWidget(QWidget):
             "step": f"{c.step_ms:,.0f} ms" if c.step_ms else "–",
             "rate": f"{c.tokens_per_s:.1f} tok/s",
             "preemptions": f"{c.preemptions:,}",
+            "drafts": f"{c.draft_acceptance * 100:.0f} % · +{c.drafts_gained:,}"
+            if c.drafts_verified
+            else "–",
         }
         for key, text in texts.items():
             label = self.values[key]
