@@ -81,6 +81,14 @@ class EngineConfig:
         across evictions and restarts, docs/ARCHITECTURE.md §3.14); None turns it off.
     disk_budget_mib: the most the disk tier's files take, every model's together (the least
         recently used are deleted first).
+    speculative: speculative decoding without a draft model (docs/ARCHITECTURE.md §3.13):
+        decoding chats propose drafts from their own context and their siblings' replies,
+        verified in the same step; each chat's draft length follows its acceptance and the
+        measured cost, so drafting stops where it does not pay. Outputs are unchanged
+        (greedy: the same tokens; sampled: the same distributions). False: never draft.
+        None decides by backend: on where steps run synchronously (the CPU), off where they
+        overlap (a GPU), since a drafting step gives up the overlap and the stable decode
+        shapes there and nobody has measured yet whether it pays (§3.13).
     """
 
     model: str = "default"
@@ -96,6 +104,7 @@ class EngineConfig:
     kv_precision: str = "model"  # "auto", "model" or "int8" (KV_PRECISIONS)
     disk_cache_dir: str | None = None
     disk_budget_mib: float = DEFAULT_DISK_BUDGET_MIB
+    speculative: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:
@@ -120,6 +129,9 @@ class EngineConfig:
                 "kv_precision must be 'auto', 'model' (the model's own K/V dtype) or 'int8' "
                 f"(8-bit K/V), got {self.kv_precision!r}"
             )
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise ValueError(
+                f"speculative must be True, False or None (by backend), got {self.speculative!r}")
         if not self.model:
             raise ValueError("model must name 'default', a folder or a Hugging Face repo id")
         if self.disk_cache_dir is not None and not str(self.disk_cache_dir):
@@ -381,3 +393,10 @@ def check_top_k(params: SamplingParams, vocab_size: int) -> None:
 def overlap_steps(config: EngineConfig, on_gpu: bool) -> bool:
     """Whether the engine overlaps its steps: the config's choice, else only on a GPU."""
     return on_gpu if config.overlap is None else config.overlap
+
+
+def speculative_drafts(config: EngineConfig, overlap: bool) -> bool:
+    """Whether decoding chats draft: the config's choice, else only where steps run
+    synchronously (a drafting step is read before the next launches, so it costs an
+    overlapping engine its overlap)."""
+    return not overlap if config.speculative is None else config.speculative

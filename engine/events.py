@@ -190,6 +190,17 @@ class Counters:
     forward_time_ms: float = 0.0
     sample_time_ms: float = 0.0
     bookkeeping_time_ms: float = 0.0
+    #: Speculative decoding (docs/ARCHITECTURE.md §3.13): draft tokens verified, those
+    #: accepted (tokens gained over one per sequence and step), and the sequence-steps that
+    #: verified drafts.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    verify_rows: int = 0
+
+    @property
+    def draft_acceptance(self) -> float:
+        """The share of draft tokens accepted (0.0 before any was verified)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.attention import dispatch as attention
-from engine.config import EngineConfig, blocks_for_budget, overlap_steps
+from engine.config import EngineConfig, blocks_for_budget, overlap_steps, speculative_drafts
 from engine.errors import ModelLoadError, NotPaged
 from engine.events import ModelInfo
 from engine.kv import disk_format
@@ -37,6 +37,7 @@ from engine.runner.step import StepRunner
 from engine.runner.telemetry import Telemetry
 from engine.sched.prefill_budget import MIN_PROMPT_TOKENS, PrefillBudget
 from engine.sched.scheduler import Scheduler
+from engine.sched.speculation import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +113,10 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry,
     paged_model = PagedModel(loaded.model, pool, use_kernel=use_kernel)
     output = Output(telemetry, set(loaded.tokenizer.eos_token_ids), max_context)
     prefill = PrefillBudget(cfg.prefill_chunk, MIN_PROMPT_TOKENS, cfg.prefill_target)
+    overlap = overlap_steps(cfg, mx.default_device() == mx.gpu)
     stepper = StepRunner(scheduler, pool, paged_model, output, telemetry, prefill,
-                         overlap=overlap_steps(cfg, mx.default_device() == mx.gpu))
+                         overlap=overlap,
+                         speculator=Speculator(enabled=speculative_drafts(cfg, overlap)))
     info = ModelInfo(
         name=loaded.name,
         model_type=loaded.model_type,

@@ -388,8 +388,10 @@ def test_overlapped_steps_equal_the_synchronous_path(engine: Engine) -> None:
     ]
 
     def run(overlap: bool) -> tuple[dict, list, dict]:
+        # speculative off: a row that may draft makes its step synchronous (ARCHITECTURE
+        # §3.13), and this test counts the steps launched ahead
         eng = Engine(EngineConfig(kv_memory_mib=32, block_size=16, max_batch=16,
-                                  prefill_chunk=256, overlap=overlap))
+                                  prefill_chunk=256, overlap=overlap, speculative=False))
         eng.start()
         try:
             assert eng.wait_ready(600), eng.load_error

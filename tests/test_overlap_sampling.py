@@ -75,7 +75,8 @@ def prompt_of(length: int, salt: int) -> list[int]:
 def run(folder: Path, overlap: bool, num_blocks: int) -> tuple[dict, dict]:
     eng = Engine(EngineConfig(model=str(folder), kv_memory_mib=budget_mib(num_blocks, BLOCK),
                               block_size=BLOCK, prefill_chunk=64, max_batch=16,
-                              overlap=overlap))
+                              overlap=overlap, speculative=False))  # drafting rows run
+    # synchronous steps (ARCHITECTURE §3.13): this file checks the overlap itself
     eng.start()
     try:
         assert eng.wait_ready(120), eng.load_error

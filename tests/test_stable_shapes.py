@@ -53,7 +53,10 @@ def _prompts(n: int) -> list[list[int]]:
 
 def _engine(tiny: Path, blocks: int = 256) -> Engine:
     eng = Engine(EngineConfig(model=str(tiny), kv_memory_mib=budget_mib(blocks, BLOCK),
-                              block_size=BLOCK, max_batch=16, prefill_chunk=64))
+                              block_size=BLOCK, max_batch=16, prefill_chunk=64,
+                              # drafting rows are chunks of their own length (ARCHITECTURE
+                              # §3.13): this file checks the decode rows' shapes
+                              speculative=False))
     eng.start()
     assert eng.wait_ready(120), eng.load_error
     return eng

@@ -55,6 +55,10 @@ class AppSettings:
     #: The model's own by default: 8-bit replies agree with it in 35% of greedy replies
     #: (bench/results/kv8.md), so 8-bit is the user's choice until that improves.
     kv_precision: str = "model"
+    #: Speculative decoding (EngineConfig.speculative): drafts from the chat's own text and
+    #: its sibling replies, verified in the same step; replies are unchanged. On lets the
+    #: engine decide by backend (it drafts where steps run synchronously, §3.13); off never.
+    speculative: bool = True
     theme: str = "system"  # "system" | "light" | "dark"
     default_system_prompt: str = ""
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -134,6 +138,7 @@ class AppSettings:
             kv_memory_mib=float(self.kv_memory_mib),
             block_size=int(self.block_size),
             kv_precision=self.kv_precision,
+            speculative=None if self.speculative else False,
             **overrides,
         )
 
@@ -141,10 +146,11 @@ class AppSettings:
         """The settings a new chat starts with."""
         return ChatSettings(self.default_system_prompt, self.default_sampling)
 
-    def engine_key(self) -> tuple[str, float, int, str, float, str]:
+    def engine_key(self) -> tuple[str, float, int, str, float, str, bool]:
         """What needs an engine restart when it changes."""
         return (self.model_spec(), float(self.kv_memory_mib), int(self.block_size),
-                self.kv_precision, float(self.disk_budget_mib), self.kv_cache_dir)
+                self.kv_precision, float(self.disk_budget_mib), self.kv_cache_dir,
+                bool(self.speculative))
 
     # ---- (de)serialisation ---------------------------------------------------------------
 

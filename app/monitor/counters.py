@@ -40,6 +40,11 @@ class PoolCounters:
     preemptions: int
     #: The disk tier under the pool (docs/ARCHITECTURE.md §3.14): None when it is off.
     disk: Any = None
+    #: speculative decoding (engine Counters): the share of drafts accepted, and the
+    #: tokens they gained (accepted drafts), 0 when none was verified
+    draft_acceptance: float = 0.0
+    drafts_gained: int = 0
+    drafts_verified: int = 0
 
     def mib(self, blocks: int) -> float:
         return blocks * self.bytes_per_block / MIB
@@ -73,6 +78,9 @@ def pool_counters(state: PoolState) -> PoolCounters:
         tokens_per_s=c.tokens_per_s,
         preemptions=c.preemptions,
         disk=getattr(state.snapshot, "disk", None),
+        draft_acceptance=c.draft_acceptance,
+        drafts_gained=c.accepted_draft_tokens,
+        drafts_verified=c.draft_tokens,
     )
 
 
@@ -162,6 +170,7 @@ WIDEST = {  # the widest text each value shows (sizes the fixed-width value labe
     "preemptions": "99,999",
     "disk": "999.9 GiB · 99,999",
     "disk_hits": "99,999 · 9,999 reads",
+    "drafts": "100 % · +9,999,999",
 }
 
 
@@ -186,6 +195,8 @@ class CountersWidget(QWidget):
          "blocks (every model's); off when the disk cache budget is 0"),
         ("disk_hits", "Read back", "Blocks read back from disk instead of recomputed, and "
          "the prompts looked up there"),
+        ("drafts", "Drafts", "Speculative decoding: the share of drafted tokens accepted, "
+         "and the tokens they gained"),
     )
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -296,6 +307,9 @@ class CountersWidget(QWidget):
                      + (" ⚠" if c.disk.error else "")) if c.disk is not None else "off",
             "disk_hits": f"{c.disk.hits:,} · {c.disk.reads:,} reads"
             if c.disk is not None else "–",
+            "drafts": f"{c.draft_acceptance * 100:.0f} % · +{c.drafts_gained:,}"
+            if c.drafts_verified
+            else "–",
         }
         for key, text in texts.items():
             label = self.values[key]

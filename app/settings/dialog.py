@@ -12,6 +12,7 @@ from typing import Any
 
 from PySide6.QtWidgets import (
     QButtonGroup,
+    QCheckBox,
     QComboBox,
     QDoubleSpinBox,
     QFileDialog,
@@ -161,6 +162,14 @@ class SettingsDialog(CheckedDialog):
         self.kv_spin.valueChanged.connect(self._update_precision_hint)
         self.block_combo.currentIndexChanged.connect(self._update_precision_hint)
         self._update_precision_hint()
+        self.speculative_check = QCheckBox("&Speculative decoding (faster repeats and edits)")
+        self.speculative_check.setAccessibleName("Speculative decoding")
+        self.speculative_check.setToolTip(
+            "Drafts tokens from the chat's own text and its sibling replies and checks them "
+            "in the same step; replies are unchanged, and drafting stops where it does not "
+            "pay. On a GPU the engine keeps it off until it is measured there.")
+        self.speculative_check.setChecked(bool(s.speculative))
+        f.addRow(self.speculative_check)
         hint = QLabel("Changing the model or the pool restarts the engine; open chats stay.")
         hint.setObjectName("hint")
         hint.setWordWrap(True)
@@ -251,6 +260,7 @@ class SettingsDialog(CheckedDialog):
             kv_memory_mib=float(self.kv_spin.value()),
             block_size=int(self.block_combo.currentData()),
             kv_precision=str(self.precision_combo.currentData()),
+            speculative=self.speculative_check.isChecked(),
             theme=str(self.theme_combo.currentData()),
             default_system_prompt=self.system_prompt.toPlainText(),
             default_sampling=self._chosen_sampling(),

@@ -39,6 +39,11 @@ class BlockTable:
     #: An incognito chat's table: its blocks are never named in the prefix cache (no other
     #: chat can reuse them, none reaches the disk tier) and are zeroed when released.
     private: bool = False
+    #: Trailing tokens that are speculative drafts (engine/sched/speculation.py): their slots
+    #: hold K/V once the step runs, but they are not the sequence's tokens until verified, so
+    #: no block holding one is hashed; ``BlockAllocator.settle_drafts`` keeps the accepted
+    #: ones and rolls the rest back.
+    num_provisional: int = 0
 
     @property
     def num_tokens(self) -> int:

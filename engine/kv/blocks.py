@@ -173,12 +173,19 @@ class BlockAllocator:
 
     # ---- growth -----------------------------------------------------------------------------
 
-    def append(self, table: BlockTable, tokens: Sequence[int]) -> AppendResult:
+    def append(self, table: BlockTable, tokens: Sequence[int], provisional: int = 0
+               ) -> AppendResult:
         """Reserve slots for ``tokens`` at the end of ``table``.
 
-        All or nothing: raises NoFreeBlocksError before changing anything if the pool cannot
-        hold them.
+        ``provisional``: how many of the last tokens are speculative drafts, to be settled by
+        :meth:`settle_drafts` before anything else is appended (no block holding one is
+        hashed meanwhile). All or nothing: raises NoFreeBlocksError before changing anything
+        if the pool cannot hold them.
         """
+        if table.num_provisional:
+            raise ValueError("the table's drafts must be settled before it grows again")
+        if not 0 <= provisional <= len(tokens):
+            raise ValueError(f"provisional must be in [0, {len(tokens)}], got {provisional}")
         if self.blocks_needed(table, len(tokens)) > self.num_available:
             raise NoFreeBlocksError(
                 f"{len(tokens)} tokens need {self.blocks_needed(table, len(tokens))} blocks, "
@@ -211,8 +218,38 @@ class BlockAllocator:
             pos += take
         if PENDING in piece:
             self._unresolved.add(table.blocks[-1])
+        table.num_provisional = provisional
         self._hash_full_blocks(table)
         return AppendResult(slots, copies)
+
+    def settle_drafts(self, table: BlockTable, accepted: int) -> None:
+        """Keep the first ``accepted`` of ``table``'s provisional (draft) tokens and roll the
+        rest back: blocks wholly past the kept tokens are freed at once (they were taken for
+        the drafts: private, unnamed), the partial last block is kept and its stale slots are
+        overwritten by later tokens. Then the newly full blocks are hashed, and named in the
+        prefix cache when their K/V has been computed (the step ran)."""
+        k = table.num_provisional
+        if not 0 <= accepted <= k:
+            raise ValueError(f"accepted must be in [0, {k}], got {accepted}")
+        keep = table.num_tokens - k + accepted
+        bs = self.block_size
+        needed = -(-keep // bs)
+        for block in reversed(table.blocks[needed:]):
+            self._release(block, table.owner)
+            if table.private and not self._refcount[block]:
+                self.to_zero.append(block)  # an incognito chat's rejected drafts
+        del table.blocks[needed:]
+        if keep % bs and table.blocks:
+            block = table.blocks[-1]
+            fill = keep % bs
+            self._usage[table.owner][2] += self._fill[block] - fill
+            self._tokens[block] = self._tokens[block][:fill]
+            self._fill[block] = fill
+        del table.tokens[keep:]
+        table.num_computed = min(table.num_computed, keep)
+        table.num_provisional = 0
+        self._hash_full_blocks(table)
+        self._name_computed(table, min(len(table.hashes), table.num_computed // bs))
 
     def resolve_pending(self, table: BlockTable, token: int) -> None:
         """The value of ``table``'s last token, reserved as PENDING, is now known."""
@@ -228,7 +265,7 @@ class BlockAllocator:
         """Chain-hash every newly full block whose tokens are all known."""
         bs = self.block_size
         parent = table.hashes[-1] if table.hashes else None
-        for i in range(len(table.hashes), table.num_tokens // bs):
+        for i in range(len(table.hashes), (table.num_tokens - table.num_provisional) // bs):
             chunk = table.tokens[i * bs : (i + 1) * bs]
             if PENDING in chunk:
                 break
@@ -243,19 +280,26 @@ class BlockAllocator:
         """Record that every reserved slot of ``table`` now holds its K/V, and name each newly
         full block in the prefix cache."""
         table.num_computed = table.num_tokens
-        for i in range(table.num_offered_to_cache, len(table.hashes)):
+        self._name_computed(table, len(table.hashes))
+
+    def _name_computed(self, table: BlockTable, upto: int) -> None:
+        """Name ``table``'s hashed blocks before ``upto`` (their K/V computed) in the prefix
+        cache, and log them for the disk tier."""
+        for i in range(table.num_offered_to_cache, upto):
             h = table.hashes[i]
             self.prefix_index.unpend(h)
             # A block with the same content may already be cached (two chats computed the
             # same prefix at once): that one stays named; this one stays private.
             if self.prefix_index.name(table.blocks[i], h) and self.disk_log:
                 self.named_log.append((table.blocks[i], h))
-        table.num_offered_to_cache = len(table.hashes)
+        table.num_offered_to_cache = max(table.num_offered_to_cache, upto)
 
     # ---- sharing ----------------------------------------------------------------------------
 
     def fork(self, table: BlockTable, owner: str | None = None) -> BlockTable:
         """A new table sharing every block of ``table`` (refcount + 1 each)."""
+        if table.num_provisional:
+            raise ValueError("a table holding drafts cannot be forked before they are settled")
         child = BlockTable(
             owner=table.owner if owner is None else owner,
             blocks=list(table.blocks),
@@ -284,6 +328,7 @@ class BlockAllocator:
         table.num_computed = 0
         table.hashes.clear()
         table.num_offered_to_cache = 0
+        table.num_provisional = 0
 
     # ---- introspection (snapshots, tests) ---------------------------------------------------
 

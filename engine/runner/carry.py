@@ -21,6 +21,7 @@ import numpy as np
 from engine.runner.beams import PendingBeams
 from engine.runner.logprobs import PendingLogprobs
 from engine.runner.sampling import Layout, RowState, SamplingRow, host_windows
+from engine.runner.verify import PendingDrafts
 from engine.sched.sequence import Sequence
 from engine.sched.work import SequenceWork
 
@@ -46,12 +47,19 @@ class Launched:
     #: the beam search rows' candidates: read before the next step (the groups decide what
     #: the beams feed next, on the host)
     beams: PendingBeams | None = None
+    #: the drafting rows' verification (engine/runner/verify.py): read before the next step
+    #: (the tokens each keeps decide what it feeds next)
+    drafts: PendingDrafts | None = None
+    #: some sampled row may draft next step: its newest token must be on the host by then
+    host_tokens: bool = False
 
     @property
     def synchronous(self) -> bool:
         """The next step needs this one read first: a grammar's mask needs a constrained
-        row's newest token, and a beam search's next tokens are decided on the host."""
-        return self.constrained or self.beams is not None
+        row's newest token, a beam search's next tokens are decided on the host, and so are
+        a drafting row's (and the drafts that follow a row's newest token)."""
+        return (self.constrained or self.beams is not None or self.drafts is not None
+                or self.host_tokens)
 
     def row_of(self, seq: Sequence) -> int:
         return self.index[id(seq)]

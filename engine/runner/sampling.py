@@ -16,7 +16,7 @@ inverse-CDF pass. The caller reads all tokens with one device-to-host transfer.
 
 The draw. MLX's ``categorical`` on one row (what the engine used to call once per row) is an
 inverse-CDF sampler: one uniform number from the row's key, scaled by the row's unnormalised
-mass and searched in its exclusive cumulative sum. :func:`_inverse_cdf` is that computation
+mass and searched in its exclusive cumulative sum. :func:`inverse_cdf` is that computation
 on every row at once, and the uniforms come from one vmapped draw over the seeded rows' keys
 (``mx.vmap`` of ``mx.random.split`` / ``mx.random.uniform`` gives the same numbers as a call
 per key), so a seeded row draws exactly the token its own ``categorical`` call would
@@ -149,24 +149,10 @@ def draw(layout: Layout, logits: mx.array, state: RowState,
     ``key`` is the shared key of the rows without their own (None: MLX's global generator).
     Nothing is evaluated here: the caller evaluates the tokens (and the state) once.
     """
-    x = logits.astype(mx.float32)
-    if layout.width:
-        x = _penalise(x, layout, state.windows)
+    x, scaled = processed(layout, logits, state)
     tokens = mx.argmax(x, axis=-1).astype(mx.int32)
     keys = state.keys
-    if layout.groups:
-        scaled = []
-        for (temperature, top_p, min_p, top_k), members in layout.groups:
-            sub = x if members is None else x[members]
-            logprobs = sub - mx.logsumexp(sub, axis=-1, keepdims=True)
-            if 0.0 < top_p < 1.0:
-                logprobs = apply_top_p(logprobs, top_p)
-            if min_p > 0.0:
-                logprobs = apply_min_p(logprobs, min_p)
-            if 0 < top_k < logprobs.shape[-1]:  # top_k = vocabulary size keeps every token
-                logprobs = apply_top_k(logprobs, top_k)
-            scaled.append(logprobs * (1.0 / temperature))
-        scaled = scaled[0] if len(scaled) == 1 else mx.concatenate(scaled)
+    if scaled is not None:
         uniforms = []
         if layout.keyed:
             pairs = _split_each(keys)  # [keyed, 2 (next, draw), 2]
@@ -177,7 +163,7 @@ def draw(layout: Layout, logits: mx.array, state: RowState,
         u = uniforms[0] if len(uniforms) == 1 else mx.concatenate(uniforms)
         if layout.uniform_order is not None:
             u = u[layout.uniform_order]
-        drawn = _inverse_cdf(scaled, u)
+        drawn = inverse_cdf(scaled, u)
         if layout.sampled is None:
             tokens = drawn
         else:
@@ -186,6 +172,32 @@ def draw(layout: Layout, logits: mx.array, state: RowState,
     if windows is not None:  # a rolled window: a stable shape, one operation per step
         windows = mx.concatenate([windows[:, 1:], tokens[:, None]], axis=1)
     return tokens, RowState(windows, keys)
+
+
+def processed(layout: Layout, logits: mx.array, state: RowState
+              ) -> tuple[mx.array, mx.array | None]:
+    """Every row's logits after the repetition penalty (float32 [rows, vocab]: their argmax
+    is a greedy row's token), and the sampled rows' filtered log-probabilities over their
+    temperature ([sampled rows, vocab] in ``layout.sampled`` order, None when no row
+    samples): the distribution a sampled row draws from is their softmax. One definition
+    for the draw and for speculative verification (engine/runner/verify.py)."""
+    x = logits.astype(mx.float32)
+    if layout.width:
+        x = _penalise(x, layout, state.windows)
+    if not layout.groups:
+        return x, None
+    scaled = []
+    for (temperature, top_p, min_p, top_k), members in layout.groups:
+        sub = x if members is None else x[members]
+        logprobs = sub - mx.logsumexp(sub, axis=-1, keepdims=True)
+        if 0.0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        if min_p > 0.0:
+            logprobs = apply_min_p(logprobs, min_p)
+        if 0 < top_k < logprobs.shape[-1]:  # top_k = vocabulary size keeps every token
+            logprobs = apply_top_k(logprobs, top_k)
+        scaled.append(logprobs * (1.0 / temperature))
+    return x, scaled[0] if len(scaled) == 1 else mx.concatenate(scaled)
 
 
 def sample_rows(logits: mx.array, rows: Sequence[SamplingRow],
@@ -212,7 +224,7 @@ def _penalise(x: mx.array, layout: Layout, windows: mx.array) -> mx.array:
     return mx.put_along_axis(x, index, selected, axis=-1)
 
 
-def _inverse_cdf(logits: mx.array, u: mx.array) -> mx.array:
+def inverse_cdf(logits: mx.array, u: mx.array) -> mx.array:
     """Row i's draw for the uniform number ``u[i]``, as MLX's one-row ``categorical`` makes
     it (its inverse-CDF path, mlx/random.cpp): the unnormalised weights exp(x - max) (a
     row whose max is infinite weighs its maximal entries equally), their exclusive running

@@ -57,10 +57,12 @@ from engine.runner.output import Output
 from engine.runner.sampling import SamplingRow, draw, sample_rows
 from engine.runner.step_batch import StepBatch, build_step_batch
 from engine.runner.telemetry import StepTimes, Telemetry
+from engine.runner.verify import PendingDrafts, verify
 from engine.sched.beams import BeamGroup
 from engine.sched.prefill_budget import PrefillBudget
 from engine.sched.scheduler import Scheduler, StepPlan
 from engine.sched.sequence import Sequence
+from engine.sched.speculation import Speculator
 from engine.sched.work import SequenceWork
 
 logger = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ def describe(e: Exception) -> str:
 class StepRunner:
     def __init__(self, scheduler: Scheduler, pool: KVPool, paged_model: PagedModel,
                  output: Output, telemetry: Telemetry, prefill: PrefillBudget,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, speculator: Speculator | None = None) -> None:
         self.scheduler = scheduler
         self.pool = pool
         self.paged_model = paged_model
@@ -95,6 +97,9 @@ class StepRunner:
         self._times = StepTimes()
         #: The disk tier's engine-thread side (engine/runner/disk_sync.py), or None.
         self.disk = None
+        #: speculative decoding's drafts (engine/sched/speculation.py); the scheduler asks it
+        self.speculator = speculator if speculator is not None else Speculator(enabled=False)
+        scheduler.drafter = self.speculator.propose
 
     def step(self) -> None:
         """schedule -> launch -> finish the previous step (see the module's docstring)."""
@@ -130,12 +135,14 @@ class StepRunner:
         if not plan.works:
             return
         t1 = time.perf_counter()
-        decodes = sum(1 for w in plan.works if len(w.tokens) == 1)
-        chunks = [w for w in plan.works if len(w.tokens) != 1]
+        decodes = sum(1 for w in plan.works if len(w.tokens) == 1 or w.drafts)
+        drafts = sum(len(w.drafts) for w in plan.works)
+        chunks = [w for w in plan.works if len(w.tokens) != 1 and not w.drafts]
         prompt_tokens = sum(len(w.tokens) for w in chunks)
         positions = sum(len(w.tokens) * (w.start + (len(w.tokens) - 1) / 2) for w in chunks)
         self.prefill.observe(t1 - t0, decodes, prompt_tokens,
                              positions / prompt_tokens if prompt_tokens else 0.0)
+        self.speculator.observe_step(t1 - t0, decodes, drafts, prompt_tokens)
         self.telemetry.step(len(plan.works), t1 - t0, times)
 
     def zero_released(self) -> None:
@@ -152,6 +159,7 @@ class StepRunner:
         applied its commands: a cancel)."""
         for seq in self.output.take_finished():
             self.scheduler.remove(seq)
+            self.speculator.forget(seq)
 
     def discard_inflight(self) -> None:
         """Let the step in flight finish on the device, unread (the engine is stopping)."""
@@ -171,7 +179,8 @@ class StepRunner:
             seq.inflight = 0
         try:
             mx.eval([a for a in (launched.tokens,) if a is not None],
-                    launched.beams.arrays() if launched.beams is not None else [])
+                    launched.beams.arrays() if launched.beams is not None else [],
+                    launched.drafts.arrays() if launched.drafts is not None else [])
         except Exception:  # its requests are being cancelled anyway
             logger.exception("the last step failed while the engine stopped")
 
@@ -208,9 +217,13 @@ class StepRunner:
         owners: list[int] = []
         beam_seqs: list[Sequence] = []
         beam_owners: list[int] = []
+        drafting: list[int] = []  # logit rows of the works that verify drafts
         for i, owner in enumerate(batch.logit_owners):
             fanout[owner] = plan.fanout(plan.works[owner])
             seq = plan.works[owner].seq
+            if plan.works[owner].drafts:  # k + 1 rows, verified together (runner/verify.py)
+                drafting.append(i)
+                continue
             if seq.request.beams is not None:  # a beam: ranked by its group, not sampled
                 beam_owners.append(i)
                 beam_seqs.append(seq)
@@ -219,19 +232,21 @@ class StepRunner:
                 owners.append(i)
                 seqs.append(s)
                 rows.append(row)
-        if not rows and not beam_seqs:  # a prompt chunk that samples nothing, or every
-            mx.async_eval(self.paged_model.written())  # row failed: its K/V is still written
-            return None
+        drafts = self._verify(plan, batch, logits, drafting) if drafting else None
+        if not rows and not beam_seqs and drafts is None:  # a prompt chunk that samples
+            mx.async_eval(self.paged_model.written())  # nothing, or every row failed: its
+            return None  # K/V is still written
         beams = None
         if beam_seqs:
             beams = beam_candidates(logits[mx.array(beam_owners, dtype=mx.int32)], beam_seqs,
                                     len(self.output.eos_ids))
         if not rows:
-            mx.async_eval(beams.arrays())
+            mx.async_eval(beams.arrays() if beams is not None else [],
+                          drafts.arrays() if drafts is not None else [])
             self._times.sample += time.perf_counter() - t1
             self._launches += 1
             return Launched(list(plan.works), fanout, [], [], None, None, None, None,
-                            self._launches, beams=beams)
+                            self._launches, beams=beams, drafts=drafts)
         if owners != list(range(logits.shape[0])):
             logits = logits[mx.array(owners, dtype=mx.int32)]
         raw = logits
@@ -246,7 +261,8 @@ class StepRunner:
         t2 = time.perf_counter()
         mx.async_eval(tokens, [a for a in (next_state.windows, next_state.keys) if a is not None],
                       logprobs.arrays() if logprobs is not None else [],
-                      beams.arrays() if beams is not None else [])
+                      beams.arrays() if beams is not None else [],
+                      drafts.arrays() if drafts is not None else [])
         self._times.sample += t2 - t1
         self._times.forward += time.perf_counter() - t2  # on the CPU it runs right here
         for s in seqs:
@@ -254,8 +270,32 @@ class StepRunner:
         self._launches += 1
         self.carry.last = Launched(list(plan.works), fanout, seqs, rows, tokens, layout, state,
                                    next_state, self._launches, constrained=bool(constrained),
-                                   logprobs=logprobs, beams=beams)
+                                   logprobs=logprobs, beams=beams, drafts=drafts,
+                                   host_tokens=self.overlap and any(
+                                       self.speculator.wants_host_tokens(s) for s in seqs))
         return self.carry.last
+
+    def _verify(self, plan: StepPlan, batch: StepBatch, logits: mx.array,
+                rows: list[int]) -> PendingDrafts | None:
+        """Verify the drafting works' rows (engine/runner/verify.py); their sequences' new
+        tokens bypass the sampler's carried state, so a carry holding any of them is
+        dropped (its windows would miss the accepted tokens)."""
+        works = []
+        for i in rows:
+            work = plan.works[batch.logit_owners[i]]
+            if not works or works[-1] is not work:
+                works.append(work)
+        seqs = [w.seq for w in works]
+        last = self.carry.last
+        if last is not None and last.seqs and any(id(s) in last.index for s in seqs):
+            self.carry.drop()
+        try:
+            return verify(logits[mx.array(rows, dtype=mx.int32)], seqs,
+                          [w.drafts for w in works])
+        except Exception as e:
+            for seq in seqs:
+                self.output.finish(seq, FinishReason.ERROR, describe(e))
+            return None
 
     def _constrain(self, logits: mx.array, seqs: list[Sequence], rows: list[int]) -> mx.array:
         """``logits`` with what each constrained row's grammar forbids at -inf (their
@@ -293,6 +333,7 @@ class StepRunner:
         try:
             values = launched.tokens.tolist() if launched.tokens is not None else []
             reports = launched.beams.read() if launched.beams is not None else []
+            verified = launched.drafts.read() if launched.drafts is not None else []
         except Exception as e:  # the device failed: redo the step one sequence at a time
             logger.warning("step failed (%s); isolating its %d sequences", e,
                            len(launched.works))
@@ -309,7 +350,25 @@ class StepRunner:
                 self._accept(seq, token, entries.get(row))
         for seq, candidates in reports:
             self._report_beam(seq, candidates)
+        if launched.drafts is not None:
+            for seq, drafts, accepted, tokens in verified:
+                self._guard(seq, self._accept_verified, seq, drafts, accepted, tokens)
         self._times.bookkeeping += time.perf_counter() - t1
+
+    def _accept_verified(self, seq: Sequence, drafts: tuple[int, ...], accepted: int,
+                         tokens: list[int]) -> None:
+        """A drafting sequence's verified step: its table keeps the accepted drafts' slots
+        (the rest rolled back), then each kept token is accepted in order; EOS, a stop
+        string or ``max_tokens`` among them ends the reply there (the rest are dropped)."""
+        if seq.finished:
+            return
+        self.speculator.record(seq, len(drafts), accepted)
+        self.telemetry.drafts(len(drafts), accepted)
+        self.scheduler.settle_drafts(seq, accepted)
+        for token in tokens:
+            self.output.accept_token(seq, token)
+            if seq.finished:
+                break
 
     def _report_beam(self, seq: Sequence, candidates: list[tuple[int, float]]) -> None:
         """A beam's best next tokens are known; once its whole group has reported, the group
@@ -355,7 +414,7 @@ class StepRunner:
         index = launched.index
         beams = {id(s) for s in launched.beams.seqs} if launched.beams is not None else set()
         for work, fanout in zip(launched.works, launched.fanout):
-            if id(work.seq) in beams:
+            if id(work.seq) in beams or work.drafts:
                 self._run_alone(work, fanout)
                 continue
             drawn = [(s, launched.row(s)) for s in fanout if id(s) in index]
@@ -375,6 +434,9 @@ class StepRunner:
         seq = work.seq
         if seq.finished:
             return
+        if work.drafts:  # alone, it decodes one token: its drafts are rolled back
+            self.scheduler.settle_drafts(seq, 0)
+            work = replace(work, tokens=work.tokens[:1], slots=work.slots[:1], drafts=())
         try:
             tokens = [seq.tokens[work.start + j] if t == PENDING else t
                       for j, t in enumerate(work.tokens)]

@@ -126,8 +126,8 @@ def build_step_batch(work: Sequence[SequenceWork], bucketed: bool | None = None)
         for b, o in w.slots:
             blocks.append(b)
             offsets.append(o)
-        if w.want_logits:
-            logit_rows.append(row + len(w.tokens) - 1)
+        for j in range(len(w.tokens) - w.num_logits, len(w.tokens)):  # drafts: every row
+            logit_rows.append(row + j)
             logit_owners.append(i)
         return row
 

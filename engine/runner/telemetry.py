@@ -130,6 +130,9 @@ class Telemetry:
         self.clock = clock  # seconds (tests pass a manual one)
         self.snapshot: PoolSnapshot | None = None
         self.generated = 0
+        self.draft_tokens = 0  # speculative drafts verified
+        self.accepted_draft_tokens = 0  # of those, accepted
+        self.verify_rows = 0  # sequence-steps that verified drafts
         self.step_ms = 0.0
         self.sched_ms = 0.0
         self.phase_ms = StepTimes()  # an EMA per phase, in ms
@@ -185,6 +188,12 @@ class Telemetry:
         self.generated += 1
         self.rates.add(session_id, now)
 
+    def drafts(self, drafted: int, accepted: int) -> None:
+        """A sequence verified ``drafted`` drafts and kept ``accepted`` of them."""
+        self.draft_tokens += drafted
+        self.accepted_draft_tokens += accepted
+        self.verify_rows += 1
+
     def step(self, batch: int, step_s: float, times: StepTimes) -> None:
         """One step ran ``batch`` works in ``step_s``, split in phases as ``times``."""
         self.batch = batch
@@ -237,6 +246,9 @@ class Telemetry:
             forward_time_ms=self.phase_ms.forward,
             sample_time_ms=self.phase_ms.sample,
             bookkeeping_time_ms=self.phase_ms.bookkeeping,
+            draft_tokens=self.draft_tokens,
+            accepted_draft_tokens=self.accepted_draft_tokens,
+            verify_rows=self.verify_rows,
         )
         self.snapshot = PoolSnapshot(
             time=time.time(),

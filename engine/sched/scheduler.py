@@ -91,6 +91,9 @@ class Scheduler:
         self.preemptions = 0
         #: The disk tier (engine/kv/disk_tier.py ``DiskTier``: ``has``, ``read``), or None.
         self.disk = None
+        #: Proposes a decoding sequence's speculative drafts (engine/sched/speculation.py
+        #: ``Speculator.propose``); None: no drafting.
+        self.drafter = None
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -171,7 +174,7 @@ class Scheduler:
             if seq.inflight and seq.num_generated + 1 >= seq.request.params.max_tokens:
                 continue  # its token in flight is its last: nothing to compute after it
             if self._make_room(seq, 1, plan):
-                self._reserve(seq, 1, plan)
+                self._reserve(seq, 1, plan, self._drafts(seq))
                 scheduled.add(seq.seq_id)
 
         share = max(1, int(self.prefill_chunk * BACKGROUND_SHARE))
@@ -449,15 +452,37 @@ class Scheduler:
 
     # ---- internals --------------------------------------------------------------------------
 
-    def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> None:
+    def _reserve(self, seq: Sequence, n: int, plan: StepPlan, drafts: list[int] = ()) -> None:
         start = seq.num_in_table
-        tokens = seq.feed(start, n)
-        result = self.alloc.append(seq.table, tokens)
+        tokens = seq.feed(start, n) + list(drafts)
+        result = self.alloc.append(seq.table, tokens, provisional=len(drafts))
         plan.copies.extend(result.copies)
         done = start + n == seq.length
-        plan.works.append(
-            SequenceWork(tokens, start, seq.table.blocks, result.slots, want_logits=done, seq=seq)
-        )
+        plan.works.append(SequenceWork(tokens, start, seq.table.blocks, result.slots,
+                                       want_logits=done, seq=seq, drafts=tuple(drafts)))
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        """The drafts a decoding sequence verifies this step: the drafter's, cut to what the
+        pool holds without preempting anyone (a block kept free for each running sequence:
+        drafts never push a chat out)."""
+        if self.drafter is None or seq.inflight:
+            return []
+        drafts = self.drafter(seq)
+        if not drafts:
+            return []
+        bs = self.alloc.block_size
+        spare = self.alloc.num_available - len(self.running) - self.alloc.blocks_needed(
+            seq.table, 1)
+        room = -(seq.num_in_table + 1) % bs  # left in the block the sequence's token goes to
+        fits = min(room + max(0, spare) * bs, self._tokens_that_fit(seq.table) - 1)
+        return drafts[:max(0, fits)]
+
+    def settle_drafts(self, seq: Sequence, accepted: int) -> None:
+        """``seq``'s drafts were verified: the first ``accepted`` stay in its table, the
+        rest are rolled back (engine/kv/blocks.py ``settle_drafts``). A finished sequence is
+        left alone: its blocks go back after the step."""
+        if not seq.finished and seq.table is not None and seq.table.num_provisional:
+            self.alloc.settle_drafts(seq.table, accepted)
 
     def _tokens_that_fit(self, table: BlockTable) -> int:
         """The most tokens ``table`` can take now without preempting anyone."""

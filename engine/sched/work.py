@@ -25,3 +25,14 @@ class SequenceWork:
     slots: Sequence[tuple[int, int]]  # (block, offset) for each fed token
     want_logits: bool = True
     seq: Any = None
+    #: Speculative drafts fed after the sequence's last token (engine/sched/speculation.py):
+    #: ``tokens`` ends with them, and every one of the work's rows is sampled to verify them.
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the work needs: one per fed token when it verifies drafts (the
+        last token's and each draft's), else one (or none: a prompt chunk before its end)."""
+        if not self.want_logits:
+            return 0
+        return len(self.drafts) + 1

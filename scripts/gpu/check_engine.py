@@ -296,7 +296,8 @@ def ended_well(results: Results, name: str, finals: dict[int, FinalEvent], n: in
 
 def start(folder: Path, sizes: Sizes, **overrides) -> Engine:
     config = dict(model=str(folder), kv_memory_mib=sizes.budget_mib, block_size=sizes.block_size,
-                  max_batch=16, max_context=sizes.context)
+                  max_batch=16, max_context=sizes.context,
+                  speculative=True)  # on the GPU too (by default it drafts on the CPU only)
     config.update(overrides)
     eng = Engine(EngineConfig(**config))
     eng.start()
@@ -658,6 +659,26 @@ def cancel_mid_prefill(results: Results, folder: Path, sizes: Sizes, mode: str) 
         eng.stop()
 
 
+def speculative(results: Results, eng: Engine, ref: Reference, sizes: Sizes) -> None:
+    """Speculative decoding (ARCHITECTURE §3.13) is on in every engine of this check, so
+    every greedy comparison above runs with whatever drafts the replies propose; here a
+    prompt that repeats itself must still decode as the reference does. Whether the random
+    model's replies give drafts is chance (tests/test_speculative.py proves acceptance on
+    the real model): the drafts verified are printed, not checked."""
+    half = prompt_of(sizes.block_size + 7, sizes.vocab, seed=31)
+    prompt = half + half + half[:5]
+    tokens, finals = collect(eng.submit(
+        prompt_tokens=prompt, params=SamplingParams(temperature=0.0,
+                                                    max_tokens=sizes.new_tokens),
+        session_id="speculative"))
+    if ended_well(results, "speculative greedy", finals):
+        compare_greedy(results, "speculative greedy (self-repeating prompt)",
+                       tokens.get(0, []), *ref.greedy(prompt, sizes.new_tokens))
+    counters = eng.snapshot().counters
+    print(f"  drafts so far: {counters.draft_tokens} verified, "
+          f"{counters.accepted_draft_tokens} accepted", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the CPU, CI)")
@@ -684,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
                 stop_strings(results, eng, ref, sizes)
                 penalty_and_logprobs(results, eng, ref, sizes)
                 beam_search(results, eng, ref, sizes)
+                speculative(results, eng, ref, sizes)
             finally:
                 eng.stop()
             cancel_mid_prefill(results, folder, sizes, mode)

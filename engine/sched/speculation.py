@@ -1,0 +1,252 @@
+"""Speculative decoding's drafts: what a decoding sequence proposes to verify in its next
+step, and how many tokens it is worth proposing (docs/ARCHITECTURE.md §3.13).
+
+No draft model: the drafts are tokens the engine already has.
+
+* **Prompt lookup**: the longest suffix n-gram of the sequence (``MAX_NGRAM`` down to 1
+  tokens) found earlier in its own context (prompt and reply); the tokens that followed it
+  there are the drafts. Editing text it was given ("repeat this file with one change")
+  makes long runs of them right.
+* **Siblings**: sequences with the same prompt (the samples of an n > 1 request, or the
+  same prompt sent in several chats: regenerate, send to all) look the same n-gram up in
+  each other's tokens; a sibling's reply is the best guess of this one's.
+
+Each sequence keeps an :class:`NgramIndex` (n-gram -> where its latest earlier occurrence
+ended), updated incrementally as tokens are accepted: a lookup is a few dict probes, never a
+rescan.
+
+**Adaptive length.** A draft of ``k`` tokens costs the step ``k`` more rows; it pays when
+the tokens it is expected to add beat what that compute would give the batch otherwise.
+With a per-token acceptance ``a`` (the sequence's recent rate, decayed), the j-th draft
+adds ``a**j`` expected tokens; a row costs ``c`` seconds (measured: the steps with drafts
+against those without, :class:`StepCost`); the step makes ``N / T`` tokens per second (N
+decode rows in T seconds). So the j-th draft is worth it while ``a**j > c * N / T``, and
+``k`` is the largest such j (0: the sequence stops drafting; it probes with one draft every
+``PROBE_EVERY`` steps to notice when its text turns repetitive).
+
+Pure bookkeeping (no MLX): the scheduler asks :meth:`Speculator.propose` while planning
+(engine/sched/scheduler.py), the step runner reports what was accepted and how long steps
+took (engine/runner/step.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.sched.sequence import Sequence
+
+#: The longest and shortest suffix n-grams looked up (longest first).
+MAX_NGRAM = 4
+MIN_NGRAM = 1
+#: Most drafts a sequence verifies in one step.
+MAX_DRAFT = 8
+#: A sequence that stopped drafting tries one draft after this many steps with a proposal.
+PROBE_EVERY = 16
+#: Weight kept by older acceptance observations at each new one.
+ACCEPT_DECAY = 0.8
+#: Before any step with drafts is measured, a draft row is assumed to cost this share of a
+#: decode step (CPU, default model: a 9-token verify costs about 1.3 decode steps).
+PRIOR_ROW_SHARE = 0.05
+
+
+class NgramIndex:
+    """Where each n-gram of a token list (n in ``MIN_NGRAM..MAX_NGRAM``) last occurred with
+    a token after it: n-gram -> the index of that next token."""
+
+    def __init__(self) -> None:
+        self.next_of: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before tokens[indexed] are in the index
+
+    def update(self, tokens: list[int]) -> None:
+        """Index the n-grams that gained a following token since the last update."""
+        next_of = self.next_of
+        for end in range(max(self.indexed, 1), len(tokens)):  # tokens[end] follows
+            for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+                if end - n < 0:
+                    break
+                next_of[tuple(tokens[end - n:end])] = end
+        self.indexed = max(self.indexed, len(tokens))
+
+    def match(self, suffix: list[int]) -> tuple[int, int]:
+        """(n, next index) for the longest n-gram ending ``suffix`` that occurred before;
+        (0, -1) when none did."""
+        for n in range(min(MAX_NGRAM, len(suffix)), MIN_NGRAM - 1, -1):
+            at = self.next_of.get(tuple(suffix[len(suffix) - n:]))
+            if at is not None:
+                return n, at
+        return 0, -1
+
+
+@dataclass
+class DraftState:
+    """One sequence's drafting: its index, its recent acceptance, its probing clock."""
+
+    index: NgramIndex
+    prompt_key: int
+    accepted: float = 1.0  # decayed accepted drafts (a prior of one in two)
+    trials: float = 2.0  # decayed accepted drafts + rejections
+    idle_steps: int = 0  # steps with a proposal but no draft since the last probe
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.trials if self.trials else 0.0
+
+
+class StepCost:
+    """What one more fed row costs a step of decodes, and what such a step yields, measured
+    from the steps themselves (steps that read prompt tokens are left out)."""
+
+    DECAY = 0.3  # weight of each new measurement
+
+    def __init__(self) -> None:
+        self.plain_s: float | None = None  # a step of decodes without drafts
+        self.rows: float | None = None  # its decode rows
+        self.row_s: float | None = None  # one draft row more
+
+    def observe(self, step_s: float, decode_rows: int, draft_rows: int) -> None:
+        if draft_rows == 0:
+            self.plain_s = _ema(self.plain_s, step_s, self.DECAY)
+            self.rows = _ema(self.rows, float(decode_rows), self.DECAY)
+        elif self.plain_s is not None:
+            extra = max(step_s - self.plain_s, 0.0) / draft_rows
+            self.row_s = _ema(self.row_s, extra, self.DECAY)
+
+    def threshold(self) -> float:
+        """``c * N / T``: the expected tokens a draft row must add to pay for itself."""
+        if self.plain_s is None or not self.rows:
+            return PRIOR_ROW_SHARE
+        row_s = self.row_s if self.row_s is not None else PRIOR_ROW_SHARE * self.plain_s
+        return row_s * self.rows / max(self.plain_s, 1e-9)
+
+
+class Speculator:
+    """Drafts for the engine's decoding sequences and their adaptive lengths (the public
+    counters are the telemetry's, engine/runner/telemetry.py)."""
+
+    def __init__(self, enabled: bool = True, max_draft: int = MAX_DRAFT) -> None:
+        self.enabled = enabled
+        self.max_draft = max_draft
+        self.cost = StepCost()
+        self._states: dict[int, DraftState] = {}  # by seq_id
+        self._by_prompt: dict[int, dict[int, Sequence]] = {}  # prompt key -> seq_id -> seq
+
+    # ---- which sequences draft --------------------------------------------------------------
+
+    def eligible(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may draft at all: not a beam, not held to a grammar, not asking
+        for log-probabilities (one entry per sampled position would be needed), not seeded
+        (a seeded reply is reproducible; drafting's per-step decision depends on timing)."""
+        params = seq.request.params
+        return (self.enabled and seq.request.beams is None and seq.matcher is None
+                and params.constraint is None and params.logprobs is None
+                and params.seed is None and seq.num_generated >= 1)
+
+    def wants_host_tokens(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s next step should have its newest token on the host (an
+        overlapped step cannot draft: the drafts follow that token)."""
+        if not self.eligible(seq):
+            return False
+        state = self._states.get(seq.seq_id)
+        return (state is None or self.draft_length(state) > 0
+                or state.idle_steps + 1 >= PROBE_EVERY)
+
+    # ---- proposing --------------------------------------------------------------------------
+
+    def propose(self, seq: Sequence) -> list[int]:
+        """The drafts ``seq`` verifies in its next step (empty: it decodes one token)."""
+        if not self.eligible(seq):
+            return []
+        state = self._state(seq)
+        state.index.update(seq.tokens)
+        limit = min(self.max_draft,
+                    seq.request.params.max_tokens - seq.num_generated - 1)
+        if limit <= 0:
+            return []
+        drafts = self._lookup(seq, state, limit)
+        if not drafts:
+            return []
+        k = self.draft_length(state)
+        if k == 0:
+            state.idle_steps += 1
+            if state.idle_steps < PROBE_EVERY:
+                return []
+            k = 1  # a probe: is the text repetitive again?
+        state.idle_steps = 0
+        return drafts[:k]
+
+    def draft_length(self, state: DraftState) -> int:
+        """The largest j with ``a**j > threshold`` (capped at ``max_draft``)."""
+        a = state.acceptance
+        gamma = self.cost.threshold()
+        if a <= gamma or a <= 0.0:
+            return 0
+        if a >= 1.0 or gamma <= 0.0:
+            return self.max_draft
+        return max(0, min(self.max_draft, int(math.log(gamma) / math.log(a))))
+
+    def _lookup(self, seq: Sequence, state: DraftState, limit: int) -> list[int]:
+        """The continuation of the longest suffix n-gram matched in ``seq``'s own context
+        or a sibling's tokens; the longer match wins, then the sibling (its reply follows
+        the same prompt), then the longer continuation."""
+        tokens = seq.tokens
+        suffix = tokens[-MAX_NGRAM:]
+        best: tuple[int, int, int] = (0, 0, 0)
+        drafts: list[int] = []
+        n, at = state.index.match(suffix)
+        if n:
+            drafts = tokens[at:at + limit]
+            best = (n, 0, len(drafts))
+        for sibling in self._by_prompt.get(state.prompt_key, {}).values():
+            if sibling is seq or sibling.finished:
+                continue
+            other = self._state(sibling)
+            other.index.update(sibling.tokens)
+            n, at = other.index.match(suffix)
+            if not n:
+                continue
+            candidate = sibling.tokens[at:at + limit]
+            score = (n, 1, len(candidate))
+            if score > best:
+                best, drafts = score, candidate
+        return drafts
+
+    # ---- learning ---------------------------------------------------------------------------
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """``seq`` verified ``drafted`` drafts and kept the first ``accepted``."""
+        state = self._states.get(seq.seq_id)
+        if state is None:
+            return
+        rejected = 1 if accepted < drafted else 0
+        state.accepted = ACCEPT_DECAY * state.accepted + accepted
+        state.trials = ACCEPT_DECAY * state.trials + accepted + rejected
+
+    def observe_step(self, step_s: float, decode_rows: int, draft_rows: int,
+                     prompt_tokens: int) -> None:
+        """A step ended: its time teaches the cost model (steps reading prompts excluded)."""
+        if prompt_tokens == 0 and decode_rows:
+            self.cost.observe(step_s, decode_rows, draft_rows)
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` left the engine: its index goes (and it drafts for no sibling)."""
+        state = self._states.pop(seq.seq_id, None)
+        if state is None:
+            return
+        group = self._by_prompt.get(state.prompt_key)
+        if group is not None:
+            group.pop(seq.seq_id, None)
+            if not group:
+                del self._by_prompt[state.prompt_key]
+
+    def _state(self, seq: Sequence) -> DraftState:
+        state = self._states.get(seq.seq_id)
+        if state is None:
+            key = hash(tuple(seq.tokens[:seq.num_prompt]))
+            state = self._states[seq.seq_id] = DraftState(NgramIndex(), key)
+            self._by_prompt.setdefault(key, {})[seq.seq_id] = seq
+        return state
+
+
+def _ema(previous: float | None, value: float, weight: float) -> float:
+    return value if previous is None else previous + weight * (value - previous)

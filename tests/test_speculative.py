@@ -1,0 +1,293 @@
+"""Speculative decoding (docs/ARCHITECTURE.md §3.13) against independent references.
+
+* the allocator's rollback of drafts, against its invariants (engine/kv/invariants.py);
+* the verification rule against the numpy oracle (tests/reference.py): the first and the
+  second kept token of a drafting row follow the distribution decoding without drafts
+  draws from (Pearson's chi-square, as tests/test_sampling.py), greedy rows keep the
+  argmax;
+* the engine on the embedded model with drafting on: greedy replies equal mlx-lm's own
+  generation (tests/reference.py) on an editing prompt where drafts are accepted (the
+  counters must show it: the test cannot pass by never drafting), on ordinary prompts, for
+  n = 3 samples drafting from each other, at ``max_tokens`` and a stop string that fall
+  inside accepted drafts, in an 8-bit pool; no block leaks after a cancel mid-draft.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import Engine, EngineConfig, FinalEvent, FinishReason, SamplingParams
+from engine.kv.block_table import BlockTable
+from engine.kv.blocks import BlockAllocator
+from engine.kv.invariants import check_invariants
+from engine.runner.verify import verify
+from engine.sched.speculation import NgramIndex, Speculator
+from tests.reference import chat_prompt, collect, greedy_reference, oracle_distribution, wait_until
+from tests.test_sampling import assert_counts_follow
+
+# ---- the allocator's rollback -----------------------------------------------------------------
+
+
+def test_rejected_drafts_are_rolled_back_and_only_committed_blocks_are_cached():
+    alloc = BlockAllocator(num_blocks=8, block_size=4)
+    table = BlockTable(owner="a")
+    alloc.append(table, [1, 2, 3, 4, 5, 6])
+    alloc.mark_computed(table)
+    # last token + 5 drafts: fills block 1 and reaches into a new block 2
+    alloc.append(table, [7, 8, 9, 10, 11, 12], provisional=5)
+    check_invariants(alloc, [table])
+    assert len(table.hashes) == 1, "a block holding drafts was hashed"
+    alloc.mark_computed(table)
+    assert not alloc.is_cached(table.blocks[1])
+    taken = table.blocks[2]
+    alloc.settle_drafts(table, 0)  # all rejected: back to 7 tokens
+    check_invariants(alloc, [table])
+    assert table.tokens == [1, 2, 3, 4, 5, 6, 7] and len(table.blocks) == 2
+    assert alloc.refcount(taken) == 0 and not alloc.is_cached(taken)
+    assert not alloc.is_cached(table.blocks[1])
+    alloc.append(table, [20, 21, 22], provisional=2)
+    alloc.mark_computed(table)
+    alloc.settle_drafts(table, 1)  # block 1 = [5, 6, 7, 20] full and computed: named now
+    check_invariants(alloc, [table])
+    assert table.tokens[-3:] == [7, 20, 21] and alloc.is_cached(table.blocks[1])
+    alloc.free(table)
+    check_invariants(alloc, [])
+
+
+def test_drafts_into_a_shared_block_copy_it_and_a_rollback_leaves_the_sibling_intact():
+    alloc = BlockAllocator(num_blocks=8, block_size=4)
+    parent = BlockTable(owner="a")
+    alloc.append(parent, [1, 2, 3, 4, 5])
+    alloc.mark_computed(parent)
+    child = alloc.fork(parent)
+    result = alloc.append(child, [6, 7, 8, 9], provisional=3)
+    assert result.copies, "the shared partial block was not copied before the drafts"
+    alloc.mark_computed(child)
+    alloc.settle_drafts(child, 2)
+    check_invariants(alloc, [parent, child])
+    assert parent.tokens == [1, 2, 3, 4, 5] and child.tokens == [1, 2, 3, 4, 5, 6, 7, 8]
+    with pytest.raises(ValueError):
+        alloc.settle_drafts(child, 1)  # nothing provisional left
+    alloc.append(child, [10, 11], provisional=1)
+    with pytest.raises(ValueError):
+        alloc.append(child, [12])  # drafts are settled before the table grows again
+    alloc.free(child)  # a cancel mid-draft
+    alloc.free(parent)
+    check_invariants(alloc, [])
+
+
+def test_ngram_index_finds_the_latest_earlier_occurrence_of_the_longest_suffix():
+    tokens = [5, 1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    index = NgramIndex()
+    index.update(tokens)
+    n, at = index.match(tokens)
+    assert n == 3 and tokens[at:at + 2] == [7, 8]
+    longer = tokens + [4]
+    index.update(longer)  # incremental: the old suffix now has a token after it
+    n, at = index.match(tokens)
+    assert n == 4 and longer[at] == 4  # [8, 1, 2, 3] occurred once, before the 4
+    assert index.match([6, 6]) == (0, -1)
+
+
+# ---- the verification rule against the oracle -------------------------------------------------
+
+DRAWS = 3000
+ROW_LOGITS = np.array([
+    [3.0, 2.5, 2.0, 1.2, 1.0, 0.3, -0.5, -1.0, -2.0, -3.0],
+    [0.5, 2.8, -1.0, 2.2, 1.5, 0.0, 1.9, -2.0, 0.7, -0.3],
+    [1.0, -1.0, 2.0, 0.0, 2.5, 1.5, -0.5, 0.2, 1.1, -2.0],
+], dtype=np.float32)
+
+
+def fake_sequence(params: SamplingParams, history: list[int]):
+    return SimpleNamespace(request=SimpleNamespace(params=params), tokens=list(history))
+
+
+def verified(params: SamplingParams, history: list[int], drafts: tuple[int, ...]):
+    seqs = [fake_sequence(params, history) for _ in range(DRAWS)]
+    logits = mx.array(np.tile(ROW_LOGITS[: len(drafts) + 1], (DRAWS, 1)))
+    pending = verify(logits, seqs, [drafts] * DRAWS, key=mx.random.key(2026))
+    mx.eval(pending.arrays())
+    return pending.read()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.5),
+    SamplingParams(temperature=1.3, top_k=4, min_p=0.05, repetition_penalty=0.8),
+])
+def test_kept_tokens_follow_the_distribution_without_drafts(params):
+    history = [1, 4, 6]
+    drafts = (0, 1)  # likely under row 0 (so row 1 is reached often), then row 1's favourite
+    out = verified(params, history, drafts)
+    first = np.bincount([tokens[0] for _, _, _, tokens in out], minlength=10)
+    assert_counts_follow(oracle_distribution(ROW_LOGITS[0], params, history), first)
+    # given the first kept token was the draft, the second follows row 1's distribution
+    # with the draft in the penalty's window
+    second = np.bincount([tokens[1] for _, _, _, tokens in out if tokens[0] == drafts[0]],
+                         minlength=10)
+    assert second.sum() > 500
+    assert_counts_follow(oracle_distribution(ROW_LOGITS[1], params, history + [0]), second)
+    assert any(m == 2 for _, _, m, _ in out), "no row accepted both drafts"
+
+
+def test_a_draft_outside_the_kept_set_is_never_accepted():
+    params = SamplingParams(temperature=1.0, top_k=3)
+    out = verified(params, [], (9,))
+    assert all(m == 0 for _, _, m, _ in out)
+    first = np.bincount([tokens[0] for _, _, _, tokens in out], minlength=10)
+    assert_counts_follow(oracle_distribution(ROW_LOGITS[0], params, []), first)
+
+
+def test_greedy_rows_keep_the_drafts_that_equal_the_argmax_then_the_argmax():
+    greedy = SamplingParams(temperature=0.0)
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=3.0)
+    seqs = [fake_sequence(greedy, [7]), fake_sequence(greedy, [7]), fake_sequence(penalised, [0])]
+    drafts = [(0, 1), (0, 4), (1, 1)]
+    logits = mx.array(np.concatenate([ROW_LOGITS] * 3))
+    pending = verify(logits, seqs, drafts)
+    mx.eval(pending.arrays())
+    out = [(m, tokens) for _, _, m, tokens in pending.read()]
+    assert out[0] == (2, [0, 1, 4])  # both accepted, then row 2's argmax (the bonus)
+    assert out[1] == (1, [0, 1])  # row 1's argmax is 1, not 4
+    # penalised: token 0 (in the history) loses row 0 to token 1; row 1 then penalises
+    # 1 as well (the accepted draft is in its window): 2.8/3 < 2.2 -> token 3
+    assert out[2] == (1, [1, 3])
+
+
+# ---- the engine -----------------------------------------------------------------------------
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40)
+CODE = "\n".join(f"def scale_{i}(values):\n    return [v * {i + 2} for v in values]"
+                 for i in range(8))
+EDIT = [{"role": "user", "content": "Repeat this code exactly, but rename scale_3 to "
+                                    f"triple:\n\n{CODE}"}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = Engine(EngineConfig(kv_memory_mib=48, block_size=16, max_batch=8, prefill_chunk=256))
+    eng.start()
+    assert eng.wait_ready(600), eng.load_error
+    yield eng
+    eng.stop()
+
+
+def counters(engine: Engine):
+    wait_until(lambda: engine.snapshot() is not None)
+    return engine.snapshot().counters
+
+
+def idle_invariants(engine: Engine) -> None:
+    runtime = engine.runtime
+    wait_until(lambda: not runtime.scheduler.has_work)
+    check_invariants(runtime.alloc, [])
+
+
+@pytest.mark.model
+def test_greedy_replies_with_drafts_equal_mlx_lm(engine):
+    prompts = [chat_prompt(EDIT),
+               chat_prompt([{"role": "user", "content": "Name three colours of the rainbow."}])]
+    handles = [engine.submit(prompt_tokens=p, params=GREEDY, session_id=f"greedy-{i}")
+               for i, p in enumerate(prompts)]
+    got = [collect(h) for h in handles]
+    for p, (tokens, finals) in zip(prompts, got):
+        assert tokens[0] == greedy_reference(p, GREEDY.max_tokens)
+        assert finals[0].usage.generated_tokens == len(tokens[0])
+    c = counters(engine)
+    assert c.accepted_draft_tokens > 10, "no draft was accepted: the test would be vacuous"
+    idle_invariants(engine)
+
+
+@pytest.mark.model
+def test_max_tokens_and_a_stop_string_inside_accepted_drafts(engine):
+    prompt = chat_prompt(EDIT)
+    expected = greedy_reference(prompt, 30)
+    tokens, finals = collect(engine.submit(
+        prompt_tokens=prompt, params=SamplingParams(temperature=0.0, max_tokens=23),
+        session_id="limit"))
+    assert tokens[0] == expected[:23] and finals[0].finish_reason is FinishReason.LENGTH
+    text = engine.decode(expected)
+    stop = "scale_1"
+    assert text.find(stop) > 0
+    _, finals = collect(engine.submit(
+        prompt_tokens=prompt, params=SamplingParams(temperature=0.0, max_tokens=30,
+                                                    stop=(stop,)), session_id="stop"))
+    assert finals[0].finish_reason is FinishReason.STOP
+    assert finals[0].text == text[: text.find(stop)]
+    idle_invariants(engine)
+
+
+@pytest.mark.model
+def test_greedy_samples_with_drafts_equal_mlx_lm(engine):
+    prompt = chat_prompt(EDIT)
+    tokens, _ = collect(engine.submit(
+        prompt_tokens=prompt, params=SamplingParams(temperature=0.0, max_tokens=24, n=3),
+        session_id="siblings"))
+    expected = greedy_reference(prompt, 24)
+    assert [tokens[i] for i in range(3)] == [expected] * 3
+    idle_invariants(engine)
+
+
+def test_a_sibling_ahead_proposes_its_continuation():
+    prompt = [11, 12, 13]
+
+    def sequence(seq_id: int, reply: list[int]):
+        request = SimpleNamespace(params=SamplingParams(temperature=0.7), beams=None)
+        return SimpleNamespace(seq_id=seq_id, request=request, tokens=prompt + reply,
+                               num_prompt=3, matcher=None, finished=False,
+                               num_generated=len(reply))
+
+    speculator = Speculator(max_draft=4)
+    ahead = sequence(1, [40, 41, 42, 43, 44, 45])
+    behind = sequence(2, [50, 40, 41])
+    stranger = SimpleNamespace(**{**vars(sequence(3, [40, 41, 60, 61])),
+                                  "tokens": [9, 9, 9, 40, 41, 60, 61]})
+    assert speculator.propose(ahead) == []  # nothing after its suffix anywhere yet
+    speculator.propose(stranger)  # another prompt: never a sibling
+    assert speculator.propose(behind) == [42, 43, 44, 45]
+    speculator.forget(ahead)
+    assert speculator.propose(behind) == []
+
+
+@pytest.mark.model
+def test_cancel_mid_draft_and_sampled_drafts_leave_no_block_behind(engine):
+    prompt = chat_prompt(EDIT)
+    handle = engine.submit(prompt_tokens=prompt, params=SamplingParams(
+        temperature=0.3, max_tokens=200), session_id="cancel")
+    events = iter(handle)
+    next(events)  # some tokens are out: it is drafting
+    handle.cancel()
+    finals = [e for e in events if isinstance(e, FinalEvent)]
+    assert finals and finals[-1].finish_reason is FinishReason.CANCELLED
+    sampled = SamplingParams(temperature=0.5, top_p=0.95, repetition_penalty=1.1,
+                             max_tokens=24)
+    tokens, finals = collect(engine.submit(prompt_tokens=prompt, params=sampled,
+                                           session_id="sampled"))
+    assert len(tokens[0]) == finals[0].usage.generated_tokens <= 24
+    idle_invariants(engine)
+
+
+@pytest.mark.model
+def test_an_8_bit_pool_rolls_drafts_back_too():
+    eng = Engine(EngineConfig(kv_memory_mib=16, block_size=16, max_batch=2,
+                              kv_precision="int8"))
+    eng.start()
+    try:
+        assert eng.wait_ready(600), eng.load_error
+        prompt = chat_prompt(EDIT)
+        with_drafts, _ = collect(eng.submit(prompt_tokens=prompt, params=GREEDY,
+                                            session_id="int8"))
+        assert counters(eng).accepted_draft_tokens > 10
+        idle_invariants(eng)
+        eng.runtime.stepper.speculator.enabled = False  # idle: the engine thread waits
+        without, _ = collect(eng.submit(prompt_tokens=prompt, params=GREEDY,
+                                        session_id="int8-plain"))
+        assert with_drafts[0] == without[0]
+        idle_invariants(eng)
+    finally:
+        eng.stop()
