@@ -85,10 +85,15 @@ class ContextWatch(QObject):
             return
 
         pinned = set(self.window.sidebar.model.pinned)
+        # A chat answering now holds its blocks; its conversation so far (a partial reply
+        # the template closes) is not what the engine computed, so it is not looked up.
+        answering = set(self.window.manager.busy_sessions())
 
         def look() -> dict[str, str]:
-            states = {}
+            states = {sid: "memory" for sid in chats if sid in answering}
             for sid, messages in chats.items():
+                if sid in answering:
+                    continue
                 tokens = conversation_tokens(engine, messages)
                 if sid in pinned:  # the pin follows the chat as it grows
                     engine.pin_context(sid, tokens)
