@@ -155,36 +155,6 @@ def test_the_sidebar_shows_a_chats_context_and_the_user_puts_it_to_sleep(
 
 
 @pytest.mark.model
-def test_a_chat_answering_shows_its_context_in_memory(
-        qtbot, qasync_loop, app_env, disk_engine, monkeypatch) -> None:
-    """Mid-reply, the conversation so far ends in a partial reply that the chat template
-    closes: tokens the engine never computed. The answering chat holds its blocks, so the
-    sidebar says "in memory" without looking that up (a screenshot showed "needs reading
-    again" on a chat that was streaming)."""
-    looked: list[list[int]] = []
-    residency = disk_engine.context_residency
-    monkeypatch.setattr(disk_engine, "context_residency",
-                        lambda tokens: looked.append(list(tokens)) or residency(tokens))
-    h = open_window(qtbot, app_env, disk_engine)
-    try:
-        w = h.window
-        pane = w.focused_pane
-        session = pane.session
-        session.set_settings(greedy(400))
-        type_and_send(qtbot, pane, "Tell me a long story about a lighthouse keeper.")
-        qtbot.waitUntil(lambda: session.busy and bool(
-            session.tree.by_id[session.tree.active_leaf].content), timeout=WAIT_MS)
-        w.context_watch.refresh()
-        qtbot.waitUntil(lambda: context_of(w, session.id) == "memory", timeout=WAIT_MS)
-        assert session.busy  # still answering (400 tokens)
-        assert looked == []  # the partial conversation was never looked up
-        session.stop()
-        wait_idle(qtbot, pane)
-    finally:
-        h.close()
-
-
-@pytest.mark.model
 def test_an_incognito_chat_is_kept_nowhere_and_its_memory_never_shared(
         qtbot, qasync_loop, app_env, disk_engine) -> None:
     """File ▸ New Incognito Chat (by its shortcut): the pane says so; the reply is the
