@@ -19,6 +19,14 @@ import numpy as np
 import pytest
 from llguidance.numpy import apply_token_bitmask_inplace
 
+from app.core.tool_calls import (
+    COMMON_END,
+    COMMON_START,
+    CallSplitter,
+    CallSyntax,
+    ToolUse,
+    call_constraint,
+)
 from engine import Constraint, SamplingParams
 from engine.runner.constraints import Grammars, apply_bitmask
 from tests.reference import reference_model
@@ -167,3 +175,26 @@ def test_a_tokenizer_llguidance_cannot_read_is_refused_with_a_clear_message(tmp_
     for _ in range(2):
         with pytest.raises(ValueError, match="tokenizer does not support constrained output"):
             grammars_for(wrapper)
+
+
+def test_a_required_calls_json_has_no_whitespace_but_the_usual_separators(grammars):
+    """A forced tool call's JSON is laid out as ``json.dumps`` lays it out. The grammar used
+    to admit any whitespace between JSON tokens, and the app's sampled default model once
+    wrote tabs until its token budget ended, so the call never closed (CI's walk-through).
+    Random draws under the mask would wander into such runs; here every draw closes its call
+    within a short budget, and its skeleton, strings emptied, is the canonical one."""
+    spec = {"type": "function", "function": {
+        "name": "weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                  "maxLength": 20}},
+                       "required": ["city"], "additionalProperties": False}}}
+    constraint = call_constraint(ToolUse((spec,), "required", parallel=False),
+                                 COMMON_START, COMMON_END)
+    for seed in range(12):
+        reply = constrained_reply(grammars, constraint, seed, limit=80)
+        splitter = CallSplitter(CallSyntax(COMMON_START, COMMON_END, None), [spec])
+        shown, calls = splitter.feed(reply, final=True)
+        assert shown == "" and len(calls) == 1, reply
+        body = reply.removeprefix(COMMON_START + "\n").removesuffix("\n" + COMMON_END)
+        skeleton = re.sub(r'"(?:[^"\\]|\\.)*"', '""', body)
+        assert skeleton == '{"": "", "": {"": ""}}', reply

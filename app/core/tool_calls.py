@@ -30,6 +30,7 @@ from engine import Constraint, ToolCallFormat
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 COMMON_START, COMMON_END = "<tool_call>", "</tool_call>"
+CALL_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 COMMON_FORMAT_HINT = (
     "You can call functions to answer the user. They are described here:\n<tools>\n{specs}\n"
     "</tools>\nTo call one, reply with one block per call, exactly:\n<tool_call>\n"
@@ -108,7 +109,12 @@ def call_constraint(use: ToolUse, start: str, end: str) -> Constraint:
                                "arguments": t["function"]["parameters"]},
                 "required": ["name", "arguments"], "additionalProperties": False}
                for t in use.tools if t["function"]["name"] in allowed]
-    body = options[0] if len(options) == 1 else {"anyOf": options}
+    body = dict(options[0]) if len(options) == 1 else {"anyOf": options}
+    # JSON written as json.dumps writes it: llguidance's %json otherwise admits any run of
+    # spaces, tabs and newlines between tokens, and a sampled small model under a repetition
+    # penalty (the app's defaults) can fill its whole token budget with them and never close
+    # the call (CI's walk-through: a reply cut after 1,600 characters of tabs)
+    body["x-guidance"] = CALL_JSON_LAYOUT
     repeat = ' ("\\n" call)*' if use.parallel else ""
     lark = (f"start: call{repeat}\n"
             f"call: {json.dumps(start + chr(10))} body {json.dumps(chr(10) + end)}\n"
