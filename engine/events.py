@@ -157,7 +157,7 @@ class DiskStats:
 class ContextResidency:
     """Where a conversation's context is (``Engine.context_residency``): of its full blocks,
     the leading ones in the pool's prefix cache, then those on the disk tier; the rest
-    would be computed again."""
+    would be computed again (``state`` sums it up for the sidebar)."""
 
     blocks: int
     in_memory: int
@@ -166,10 +166,17 @@ class ContextResidency:
     @property
     def state(self) -> str:
         """"memory" (it continues at once), "disk" (asleep: read back, no prefill) or
-        "recompute" (some of it would be read again by the model)."""
-        if self.in_memory >= self.blocks:
+        "recompute" (some of it would be read again by the model).
+
+        The last full block does not count: a reply's final token (its end-of-turn, or the
+        last one a token limit allowed) is sampled but never read by the model, so when it
+        falls in the last full block that block is never cached, and the next turn reads
+        its few tokens with the new message at no perceptible cost. Counting it showed a
+        chat that had just answered as "needs reading again" (one chat in eight)."""
+        needed = self.blocks - 1
+        if self.in_memory >= needed:
             return "memory"
-        if self.in_memory + self.on_disk >= self.blocks:
+        if self.in_memory + self.on_disk >= needed:
             return "disk"
         return "recompute"
 

@@ -518,3 +518,25 @@ def test_a_chats_context_is_shown_put_to_sleep_and_forgotten(warm, prompt, expec
     finally:
         engine.stop()
     check_invariants(engine.runtime.alloc, [])
+
+
+def test_a_chat_that_just_answered_is_in_memory(prompt) -> None:
+    """The reply's last token is sampled, never read by the model: when it closes a full
+    block, that block is never cached, yet the chat continues at once (the next turn reads
+    its tokens with the new message). The sidebar used to say "needs reading again"."""
+    opening = prompt[: 4 * BS]  # the reply's 16th token is the 5th block's last
+    engine = Engine(config(None))
+    engine.start()
+    assert engine.wait_ready(120), engine.load_error
+    try:
+        reply, final = generate(engine, opening)
+        assert final.finish_reason.value == "length" and len(reply) == NEW_TOKENS
+        conversation = [*opening, *reply, reply[-1]]  # and what the template adds after it
+        wait_until(lambda: engine.context_residency(conversation).in_memory == 4)
+        where = engine.context_residency(conversation)
+        assert (where.blocks, where.in_memory) == (5, 4)  # the 5th was never read whole
+        assert where.state == "memory"
+        other = [*opening[:BS], *reversed(opening[BS:])]  # 3 of its 4 blocks never seen
+        assert engine.context_residency([*other, 0]).state == "recompute"
+    finally:
+        engine.stop()
