@@ -6,13 +6,21 @@ Two engines on the default model, one with ``EngineConfig.speculative`` on and o
 run the same workloads in turn (off, on, off, on, ...: a slow spell of the machine hits
 both sides); each ratio is the median of the per-repeat ratios, with their spread.
 
+Every run of a workload asks prompts no earlier run asked (another function renamed,
+another audience for the question): a drafting engine keeps finished replies as drafts for
+later requests with the same prompt, so repeating a prompt would hand it its own earlier
+answer. Sampled workloads sample as the app's new chats do
+(``app.core.generation_defaults.FALLBACK``: temperature 0.3, top-p 0.9, repetition penalty
+1.15 over 128 tokens), at most 64 tokens.
+
 * **edit**: one chat asked to repeat a 150-line code file with one change (greedy): the
-  decode tokens/s of the reply (``Usage.decode_tokens_per_s``; its prompt is in the prefix
-  cache after the warm-up on both sides).
-* **chat**: one ordinary question, sampled (temperature 0.7): decode tokens/s.
-* **regenerate x3**: one prompt, n = 3 sampled replies: aggregate tokens/s (all tokens over
-  the wall time).
-* **8 chats**: eight different questions at once, sampled: aggregate tokens/s.
+  decode tokens/s of the reply (``Usage.decode_tokens_per_s``: its prefill is left out).
+* **chat**: one ordinary question: decode tokens/s.
+* **regenerate x3**: the app's Regenerate x3 on a chat that has its reply: the reply is
+  generated first (not timed, on both sides), then three new replies to the same prompt
+  (n = 3): aggregate tokens/s (all tokens over the wall time).
+* **n = 3, no earlier reply**: three samples of a new prompt (the API's ``n``): aggregate.
+* **8 chats**: eight different questions at once: aggregate tokens/s.
 
 Writes bench/results/speculative.md.
 """
@@ -22,17 +30,31 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
+from app.core.generation_defaults import FALLBACK
 from engine import Engine, EngineConfig, FinalEvent, SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
+#: One run of a workload: (engine, run index) -> its metrics.
+Workload = Callable[[Engine, int], dict]
 
 QUESTIONS = [
     "How does bread rise?", "Why is the sky blue?", "How do tides work?",
     "What does a compiler do?", "Why do cats purr?", "How do vaccines work?",
     "How do airplanes fly?", "What is a black hole?",
 ]
+AUDIENCES = ["a child", "a student", "an engineer", "a farmer", "a painter", "a sailor",
+             "a nurse", "a chef", "a pilot", "a gardener", "a teacher", "a musician"]
+APP_SAMPLING = replace(FALLBACK, max_tokens=64)
+
+
+def question(i: int, run: int) -> list[dict]:
+    """Question ``i`` as run ``run`` asks it: a prompt no other run asks."""
+    return messages(f"{QUESTIONS[i % len(QUESTIONS)]} Explain it to "
+                    f"{AUDIENCES[run % len(AUDIENCES)]}.")
 
 
 def code_file(lines: int = 150) -> str:
@@ -65,21 +87,43 @@ def run(engine: Engine, prompts: list[list[dict]], params: SamplingParams) -> di
             "tokens": generated}
 
 
+def edit(tokens: int) -> Workload:
+    def one(engine: Engine, r: int) -> dict:
+        ask = messages(f"Repeat this file exactly, but rename restock_{r} to refill_{r}. "
+                       f"Answer with the code only.\n\n```python\n{code_file()}\n```")
+        return run(engine, [ask], SamplingParams(temperature=0.0, max_tokens=tokens))
+    return one
+
+
+def chat(engine: Engine, r: int) -> dict:
+    return run(engine, [question(0, r)], APP_SAMPLING)
+
+
+def regenerate_x3(engine: Engine, r: int) -> dict:
+    ask = question(1, r)
+    run(engine, [ask], APP_SAMPLING)  # the reply the user regenerates (not timed)
+    return run(engine, [ask], replace(APP_SAMPLING, n=3))
+
+
+def three_new(engine: Engine, r: int) -> dict:
+    return run(engine, [question(2, r)], replace(APP_SAMPLING, n=3))
+
+
+def eight_chats(engine: Engine, r: int) -> dict:
+    return run(engine, [question(i, r) for i in range(8)], APP_SAMPLING)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--edit-tokens", type=int, default=192)
     args = parser.parse_args()
-    edit = messages("Repeat this file exactly, but rename restock_7 to refill_7. Answer with "
-                    f"the code only.\n\n```python\n{code_file()}\n```")
-    sampled = SamplingParams(temperature=0.7, max_tokens=64)
-    workloads = [
-        ("edit (1 chat, greedy)", [edit],
-         SamplingParams(temperature=0.0, max_tokens=args.edit_tokens), "decode", 2.0),
-        ("chat (1 chat, sampled)", [messages(QUESTIONS[0])], sampled, "decode", 0.97),
-        ("regenerate x3 (n=3, sampled)", [messages(QUESTIONS[1])],
-         SamplingParams(temperature=0.7, max_tokens=64, n=3), "aggregate", 1.3),
-        ("8 chats (sampled)", [messages(q) for q in QUESTIONS], sampled, "aggregate", 0.97),
+    workloads = [  # name, run, metric, target
+        ("edit (1 chat, greedy)", edit(args.edit_tokens), "decode", 2.0),
+        ("chat (1 chat, app sampling)", chat, "decode", 0.97),
+        ("regenerate x3 after its reply (app sampling)", regenerate_x3, "aggregate", 1.3),
+        ("n = 3, no earlier reply (app sampling)", three_new, "aggregate", 1.3),
+        ("8 chats (app sampling)", eight_chats, "aggregate", 0.97),
     ]
     engines = {}
     for on in (False, True):
@@ -87,18 +131,18 @@ def main() -> None:
         engines[on].start()
         assert engines[on].wait_ready(600), engines[on].load_error
     results: dict[str, dict[bool, list[dict]]] = {w[0]: {False: [], True: []} for w in workloads}
-    for _name, prompts, params, _, _ in workloads:  # warm-up: shapes, prefix cache
+    for _name, one, _, _ in workloads:  # warm-up (run 0): shapes, the template's prefix
         for on in (False, True):
-            run(engines[on], prompts, params)
-    for _ in range(args.repeats):
-        for name, prompts, params, _, _ in workloads:
+            one(engines[on], 0)
+    for r in range(1, args.repeats + 1):
+        for name, one, _, _ in workloads:
             for on in (False, True):
-                results[name][on].append(run(engines[on], prompts, params))
+                results[name][on].append(one(engines[on], r))
     counters = engines[True].snapshot().counters
     for e in engines.values():
         e.stop()
     rows = []
-    for name, _, _, metric, target in workloads:
+    for name, _, metric, target in workloads:
         off = [r[metric] for r in results[name][False]]
         on = [r[metric] for r in results[name][True]]
         ratios = [b / a for a, b in zip(off, on)]
@@ -112,8 +156,9 @@ def main() -> None:
         "# Speculative decoding (issue #28)", "",
         f"`python -m bench.speculative --repeats {args.repeats} --edit-tokens "
         f"{args.edit_tokens}` (default model, CPU, OpenBLAS preloaded; {args.repeats} "
-        "repeats, off/on interleaved; medians with min-max; the ratio is the median of the "
-        "per-repeat ratios).", "",
+        "repeats, off/on interleaved, each run on prompts no earlier run asked; sampled rows "
+        "use the app's default sampling; medians with min-max; the ratio is the median of "
+        "the per-repeat ratios).", "",
         "| workload | metric | drafts off | drafts on | on / off | target |",
         "| --- | --- | --- | --- | --- | --- |", *rows, "",
         f"Drafting engine's counters at the end: {counters.draft_tokens} draft tokens "

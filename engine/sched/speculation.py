@@ -10,6 +10,12 @@ No draft model: the drafts are tokens the engine already has.
 * **Siblings**: sequences with the same prompt (the samples of an n > 1 request, or the
   same prompt sent in several chats: regenerate, send to all) look the same n-gram up in
   each other's tokens; a sibling's reply is the best guess of this one's.
+* **Earlier replies**: a finished reply stays a sibling for later requests with the same
+  prompt (the latest ``KEPT_REPLIES`` of the latest ``KEPT_PROMPTS`` prompts, their
+  indexes built on first use). Regenerate is the case: the reply being replaced was
+  sampled from the very distribution the new ones are, and, unlike siblings decoding in
+  lockstep, it is already whole. An incognito chat's replies are never kept, and its
+  sequences are siblings only of their own request's samples.
 
 Each sequence keeps an :class:`NgramIndex` (n-gram -> where its latest earlier occurrence
 ended), updated incrementally as tokens are accepted: a lookup is a few dict probes, never a
@@ -32,6 +38,7 @@ took (engine/runner/step.py).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from engine.sched.sequence import Sequence
@@ -45,6 +52,12 @@ MAX_DRAFT = 8
 PROBE_EVERY = 16
 #: Weight kept by older acceptance observations at each new one.
 ACCEPT_DECAY = 0.8
+#: Finished replies kept as drafts for later requests with the same prompt: the latest
+#: ``KEPT_REPLIES`` of each of the latest ``KEPT_PROMPTS`` prompts, if at least
+#: ``MIN_KEPT_REPLY`` tokens long (tokens only; an index is built when a request uses it).
+KEPT_PROMPTS = 32
+KEPT_REPLIES = 4
+MIN_KEPT_REPLY = 8
 #: Before any step with drafts is measured, a draft row is assumed to cost this share of a
 #: decode step (CPU, default model: a 9-token verify costs about 1.3 decode steps).
 PRIOR_ROW_SHARE = 0.05
@@ -93,6 +106,21 @@ class DraftState:
         return self.accepted / self.trials if self.trials else 0.0
 
 
+class PastReply:
+    """A finished reply kept as a draft source: the prompt's last ``MAX_NGRAM`` tokens (its
+    first tokens' n-grams begin there), then the reply; indexed on first lookup."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.index: NgramIndex | None = None
+
+    def indexed(self) -> NgramIndex:
+        if self.index is None:
+            self.index = NgramIndex()
+            self.index.update(self.tokens)
+        return self.index
+
+
 class StepCost:
     """What one more fed row costs a step of decodes, and what such a step yields, measured
     from the steps themselves (steps that read prompt tokens are left out)."""
@@ -130,6 +158,7 @@ class Speculator:
         self.cost = StepCost()
         self._states: dict[int, DraftState] = {}  # by seq_id
         self._by_prompt: dict[int, dict[int, Sequence]] = {}  # prompt key -> seq_id -> seq
+        self._past: OrderedDict[int, deque[PastReply]] = OrderedDict()  # prompt key -> replies
 
     # ---- which sequences draft --------------------------------------------------------------
 
@@ -209,6 +238,14 @@ class Speculator:
             score = (n, 1, len(candidate))
             if score > best:
                 best, drafts = score, candidate
+        for past in self._past.get(state.prompt_key, ()):
+            n, at = past.indexed().match(suffix)
+            if not n:
+                continue
+            candidate = past.tokens[at:at + limit]
+            score = (n, 1, len(candidate))
+            if score > best:
+                best, drafts = score, candidate
         return drafts
 
     # ---- learning ---------------------------------------------------------------------------
@@ -229,23 +266,39 @@ class Speculator:
             self.cost.observe(step_s, decode_rows, draft_rows)
 
     def forget(self, seq: Sequence) -> None:
-        """``seq`` left the engine: its index goes (and it drafts for no sibling)."""
+        """``seq`` left the engine: its index goes; its reply, when it has one worth
+        keeping, stays a draft source for later requests with its prompt."""
         state = self._states.pop(seq.seq_id, None)
-        if state is None:
-            return
-        group = self._by_prompt.get(state.prompt_key)
-        if group is not None:
-            group.pop(seq.seq_id, None)
-            if not group:
-                del self._by_prompt[state.prompt_key]
+        if state is not None:
+            group = self._by_prompt.get(state.prompt_key)
+            if group is not None:
+                group.pop(seq.seq_id, None)
+                if not group:
+                    del self._by_prompt[state.prompt_key]
+        if (self.enabled and not seq.request.incognito and seq.request.beams is None
+                and seq.num_generated >= MIN_KEPT_REPLY):
+            key = state.prompt_key if state is not None else prompt_key(seq)
+            start = max(seq.num_prompt - MAX_NGRAM, 0)
+            replies = self._past.setdefault(key, deque(maxlen=KEPT_REPLIES))
+            replies.append(PastReply(seq.tokens[start:]))
+            self._past.move_to_end(key)
+            if len(self._past) > KEPT_PROMPTS:
+                self._past.popitem(last=False)
 
     def _state(self, seq: Sequence) -> DraftState:
         state = self._states.get(seq.seq_id)
         if state is None:
-            key = hash(tuple(seq.tokens[:seq.num_prompt]))
+            key = prompt_key(seq)
             state = self._states[seq.seq_id] = DraftState(NgramIndex(), key)
             self._by_prompt.setdefault(key, {})[seq.seq_id] = seq
         return state
+
+
+def prompt_key(seq: Sequence) -> int:
+    """Which sequences are siblings: those with this key (the same prompt; an incognito
+    request's samples only with each other, so no other chat drafts from its reply)."""
+    prompt = tuple(seq.tokens[:seq.num_prompt])
+    return hash((seq.request.request_id, prompt)) if seq.request.incognito else hash(prompt)
 
 
 def _ema(previous: float | None, value: float, weight: float) -> float:
