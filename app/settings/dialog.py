@@ -162,11 +162,11 @@ class SettingsDialog(CheckedDialog):
         self.kv_spin.valueChanged.connect(self._update_precision_hint)
         self.block_combo.currentIndexChanged.connect(self._update_precision_hint)
         self._update_precision_hint()
-        self.speculative_check = QCheckBox("&Speculative decoding (faster repeats and edits)")
+        self.speculative_check = QCheckBox("&Speculative decoding (faster edits and regenerations)")
         self.speculative_check.setAccessibleName("Speculative decoding")
         self.speculative_check.setToolTip(
-            "Drafts tokens from the chat's own text and its sibling replies and checks them "
-            "in the same step; replies are unchanged, and drafting stops where it does not "
+            "Drafts tokens from the chat's own text, its sibling replies and the reply a "
+            "regeneration replaces, and checks them in the same step; replies are unchanged, and drafting stops where it does not "
             "pay. On a GPU the engine keeps it off until it is measured there.")
         self.speculative_check.setChecked(bool(s.speculative))
         f.addRow(self.speculative_check)
