@@ -25,7 +25,7 @@ from engine.kv.block_table import BlockTable
 from engine.kv.blocks import BlockAllocator
 from engine.kv.invariants import check_invariants
 from engine.runner.verify import verify
-from engine.sched.speculation import KEPT_PROMPTS, NgramIndex, Speculator
+from engine.sched.speculation import KEPT_PROMPTS, NgramIndex, Speculator, StepCost
 from tests.reference import chat_prompt, collect, greedy_reference, oracle_distribution, wait_until
 from tests.test_sampling import assert_counts_follow
 
@@ -344,3 +344,20 @@ def test_an_8_bit_pool_rolls_drafts_back_too():
         idle_invariants(eng)
     finally:
         eng.stop()
+
+
+def test_a_step_slowed_by_the_machine_is_not_read_as_the_price_of_drafts():
+    """Plain steps of 3 rows take 70 ms and each draft row 4 ms more (a CPU profile of the
+    default model), so a draft must add 4 * 3 / 70 = 0.17 tokens to pay. A few steps slowed
+    by another process (1 s) must not move that much: with running means they priced
+    drafting out for good (a threshold above 1) on a busy machine."""
+    rng = np.random.default_rng(0)
+    cost = StepCost()
+    for i in range(40):
+        spike = 1.0 if i % 13 == 5 else 0.0
+        jitter = float(rng.normal(0, 0.002))
+        if i % 2:
+            cost.observe(0.070 + 4 * 0.004 + jitter + spike, decode_rows=3, draft_rows=4)
+        else:
+            cost.observe(0.070 + jitter + spike, decode_rows=3, draft_rows=0)
+    assert cost.threshold() == pytest.approx(4 * 3 / 70, rel=0.25)

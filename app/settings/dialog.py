@@ -166,8 +166,9 @@ class SettingsDialog(CheckedDialog):
         self.speculative_check.setAccessibleName("Speculative decoding")
         self.speculative_check.setToolTip(
             "Drafts tokens from the chat's own text, its sibling replies and the reply a "
-            "regeneration replaces, and checks them in the same step; replies are unchanged, and drafting stops where it does not "
-            "pay. On a GPU the engine keeps it off until it is measured there.")
+            "regeneration replaces, and checks them in the same step; replies are "
+            "unchanged, and drafting stops where it does not pay. On a GPU the engine keeps "
+            "it off until it is measured there.")
         self.speculative_check.setChecked(bool(s.speculative))
         f.addRow(self.speculative_check)
         hint = QLabel("Changing the model or the pool restarts the engine; open chats stay.")

@@ -25,10 +25,11 @@ rescan.
 the tokens it is expected to add beat what that compute would give the batch otherwise.
 With a per-token acceptance ``a`` (the sequence's recent rate, decayed), the j-th draft
 adds ``a**j`` expected tokens; a row costs ``c`` seconds (measured: the steps with drafts
-against those without, :class:`StepCost`); the step makes ``N / T`` tokens per second (N
-decode rows in T seconds). So the j-th draft is worth it while ``a**j > c * N / T``, and
-``k`` is the largest such j (0: the sequence stops drafting; it probes with one draft every
-``PROBE_EVERY`` steps to notice when its text turns repetitive).
+against those without, medians of the last 16 of each, :class:`StepCost`); the step makes
+``N / T`` tokens per second (N decode rows in T seconds). So the j-th draft is worth it
+while ``a**j > c * N / T``, and ``k`` is the largest such j (0: the sequence stops
+drafting; it probes with one draft every ``PROBE_EVERY`` steps to notice when its text
+turns repetitive).
 
 Pure bookkeeping (no MLX): the scheduler asks :meth:`Speculator.propose` while planning
 (engine/sched/scheduler.py), the step runner reports what was accepted and how long steps
@@ -38,6 +39,7 @@ took (engine/runner/step.py).
 from __future__ import annotations
 
 import math
+import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -123,22 +125,32 @@ class PastReply:
 
 class StepCost:
     """What one more fed row costs a step of decodes, and what such a step yields, measured
-    from the steps themselves (steps that read prompt tokens are left out)."""
+    from the steps themselves (steps that read prompt tokens are left out).
 
-    DECAY = 0.3  # weight of each new measurement
+    Medians of the last ``WINDOW`` steps, not running means: one step slowed by something
+    else on the machine (another process, a page fault) would otherwise read as the price
+    of its drafts, and drafting, once priced out, measures no more drafting steps to learn
+    better (a busy 2-core machine showed thresholds above 1: no draft could ever pay)."""
+
+    WINDOW = 16
 
     def __init__(self) -> None:
-        self.plain_s: float | None = None  # a step of decodes without drafts
-        self.rows: float | None = None  # its decode rows
-        self.row_s: float | None = None  # one draft row more
+        self._plain: deque[float] = deque(maxlen=self.WINDOW)  # steps of decodes, no drafts
+        self._rows: deque[int] = deque(maxlen=self.WINDOW)  # their decode rows
+        self._extra: deque[float] = deque(maxlen=self.WINDOW)  # per draft row, over plain
+        self.plain_s: float | None = None
+        self.rows: float | None = None
+        self.row_s: float | None = None
 
     def observe(self, step_s: float, decode_rows: int, draft_rows: int) -> None:
         if draft_rows == 0:
-            self.plain_s = _ema(self.plain_s, step_s, self.DECAY)
-            self.rows = _ema(self.rows, float(decode_rows), self.DECAY)
+            self._plain.append(step_s)
+            self._rows.append(decode_rows)
+            self.plain_s = statistics.median(self._plain)
+            self.rows = statistics.median(self._rows)
         elif self.plain_s is not None:
-            extra = max(step_s - self.plain_s, 0.0) / draft_rows
-            self.row_s = _ema(self.row_s, extra, self.DECAY)
+            self._extra.append(max(step_s - self.plain_s, 0.0) / draft_rows)
+            self.row_s = statistics.median(self._extra)
 
     def threshold(self) -> float:
         """``c * N / T``: the expected tokens a draft row must add to pay for itself."""
@@ -299,7 +311,3 @@ def prompt_key(seq: Sequence) -> int:
     request's samples only with each other, so no other chat drafts from its reply)."""
     prompt = tuple(seq.tokens[:seq.num_prompt])
     return hash((seq.request.request_id, prompt)) if seq.request.incognito else hash(prompt)
-
-
-def _ema(previous: float | None, value: float, weight: float) -> float:
-    return value if previous is None else previous + weight * (value - previous)
