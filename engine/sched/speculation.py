@@ -238,27 +238,26 @@ class Speculator:
         if n:
             drafts = tokens[at:at + limit]
             best = (n, 0, len(drafts))
-        for sibling in self._by_prompt.get(state.prompt_key, {}).values():
-            if sibling is seq or sibling.finished:
-                continue
-            other = self._state(sibling)
-            other.index.update(sibling.tokens)
-            n, at = other.index.match(suffix)
+        for other_tokens, index in self._sibling_sources(seq, state.prompt_key):
+            n, at = index.match(suffix)
             if not n:
                 continue
-            candidate = sibling.tokens[at:at + limit]
-            score = (n, 1, len(candidate))
-            if score > best:
-                best, drafts = score, candidate
-        for past in self._past.get(state.prompt_key, ()):
-            n, at = past.indexed().match(suffix)
-            if not n:
-                continue
-            candidate = past.tokens[at:at + limit]
+            candidate = other_tokens[at:at + limit]
             score = (n, 1, len(candidate))
             if score > best:
                 best, drafts = score, candidate
         return drafts
+
+    def _sibling_sources(self, seq: Sequence, key: int):
+        """(tokens, their up-to-date index) of every sibling still decoding, then of every
+        earlier reply kept for the prompt ``key``."""
+        for sibling in self._by_prompt.get(key, {}).values():
+            if sibling is not seq and not sibling.finished:
+                other = self._state(sibling)
+                other.index.update(sibling.tokens)
+                yield sibling.tokens, other.index
+        for past in self._past.get(key, ()):
+            yield past.tokens, past.indexed()
 
     # ---- learning ---------------------------------------------------------------------------
 
