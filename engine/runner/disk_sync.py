@@ -65,7 +65,7 @@ class DiskSync:
         self.scheduler = scheduler
         self._restoring: deque[_Restore] = deque()
         alloc.disk_log = True
-        scheduler.disk = tier
+        scheduler.disk.tier = tier
 
     @property
     def pending_writes(self) -> bool:

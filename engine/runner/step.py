@@ -99,7 +99,7 @@ class StepRunner:
         self.disk = None
         #: speculative decoding's drafts (engine/sched/speculation.py); the scheduler asks it
         self.speculator = speculator if speculator is not None else Speculator(enabled=False)
-        scheduler.drafter = self.speculator.propose
+        scheduler.drafts.drafter = self.speculator.propose
 
     def step(self) -> None:
         """schedule -> launch -> finish the previous step (see the module's docstring)."""
@@ -364,7 +364,7 @@ class StepRunner:
             return
         self.speculator.record(seq, len(drafts), accepted)
         self.telemetry.drafts(len(drafts), accepted)
-        self.scheduler.settle_drafts(seq, accepted)
+        self.scheduler.drafts.settle(seq, accepted)
         for token in tokens:
             self.output.accept_token(seq, token)
             if seq.finished:
@@ -435,7 +435,7 @@ class StepRunner:
         if seq.finished:
             return
         if work.drafts:  # alone, it decodes one token: its drafts are rolled back
-            self.scheduler.settle_drafts(seq, 0)
+            self.scheduler.drafts.settle(seq, 0)
             work = replace(work, tokens=work.tokens[:1], slots=work.slots[:1], drafts=())
         try:
             tokens = [seq.tokens[work.start + j] if t == PENDING else t
