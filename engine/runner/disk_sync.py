@@ -65,7 +65,7 @@ class DiskSync:
         self.scheduler = scheduler
         self._restoring: deque[_Restore] = deque()
         alloc.disk_log = True
-        scheduler.disk = tier
+        scheduler.disk.tier = tier
 
     @property
     def pending_writes(self) -> bool:
@@ -97,7 +97,20 @@ class DiskSync:
                 todo.append((block, h, self.alloc.block_tokens(block)))
         self._save(todo)
 
+    def save_cached(self, hashes: Sequence[int]) -> None:
+        """Copy off the blocks of ``hashes`` that are in the prefix cache and not on disk
+        yet, now, whatever the writer's queue holds. Public for a conversation put to sleep
+        (:func:`put_to_sleep`): its blocks are about to leave the pool, so they are saved
+        first, outside the step's rhythm and its ``STEP_WRITE_BYTES``."""
+        todo = []
+        for h in hashes:
+            block = self.alloc.prefix_index.block_for(h)
+            if block is not None and self.tier.wants(h):
+                todo.append((block, h, self.alloc.block_tokens(block)))
+        self._save(todo)
+
     def _save(self, todo: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        """One gather of ``todo``'s blocks (block, chain hash, tokens) for the writer."""
         if not todo:
             return
         arrays = self.pool.read_blocks([b for b, _, _ in todo])
@@ -204,12 +217,7 @@ def put_to_sleep(sync: DiskSync | None, alloc: BlockAllocator, tokens: Sequence[
     tier on they are written first, so it is read back later instead of recomputed."""
     hashes = full_block_hashes(tokens, alloc.block_size)
     if sync is not None:
-        todo = []
-        for h in hashes:
-            block = alloc.prefix_index.block_for(h)
-            if block is not None and sync.tier.wants(h):
-                todo.append((block, h, alloc.block_tokens(block)))
-        sync._save(todo)
+        sync.save_cached(hashes)
     for h in hashes:
         alloc.drop_cached(h)
 

@@ -34,7 +34,9 @@ A beam search's rows are not sampled: their best next tokens are found on the de
 (engine/runner/beams.py) and read with the step; once a search's every live beam has
 reported, its group decides and the scheduler forks and prunes the beams
 (``_step_beams``, docs/ARCHITECTURE.md §3.12). A step holding beam rows is read before the
-next one is scheduled, as a constrained row's is (``Launched.synchronous``).
+next one is scheduled, as a constrained row's is (``Launched.synchronous``). A sequence
+verifying speculative drafts is read before the next step too; its rows are verified at
+launch and settled when read by engine/runner/drafting.py (docs/ARCHITECTURE.md §3.13).
 """
 
 from __future__ import annotations
@@ -51,13 +53,13 @@ from engine.kv.pool import KVPool
 from engine.runner.beams import beam_candidates
 from engine.runner.carry import Launched, SamplerCarry, set_key
 from engine.runner.constraints import apply_bitmask
+from engine.runner.drafting import Drafting
 from engine.runner.logprobs import pending_logprobs
 from engine.runner.model_adapter import PagedModel
 from engine.runner.output import Output
 from engine.runner.sampling import SamplingRow, draw, sample_rows
 from engine.runner.step_batch import StepBatch, build_step_batch
 from engine.runner.telemetry import StepTimes, Telemetry
-from engine.runner.verify import PendingDrafts, verify
 from engine.sched.beams import BeamGroup
 from engine.sched.prefill_budget import PrefillBudget
 from engine.sched.scheduler import Scheduler, StepPlan
@@ -99,7 +101,8 @@ class StepRunner:
         self.disk = None
         #: speculative decoding's drafts (engine/sched/speculation.py); the scheduler asks it
         self.speculator = speculator if speculator is not None else Speculator(enabled=False)
-        scheduler.drafter = self.speculator.propose
+        self.drafting = Drafting(scheduler, output, telemetry, self.carry, self.speculator,
+                                 self._fail)
 
     def step(self) -> None:
         """schedule -> launch -> finish the previous step (see the module's docstring)."""
@@ -232,7 +235,7 @@ class StepRunner:
                 owners.append(i)
                 seqs.append(s)
                 rows.append(row)
-        drafts = self._verify(plan, batch, logits, drafting) if drafting else None
+        drafts = self.drafting.verify(plan, batch, logits, drafting) if drafting else None
         if not rows and not beam_seqs and drafts is None:  # a prompt chunk that samples
             mx.async_eval(self.paged_model.written())  # nothing, or every row failed: its
             return None  # K/V is still written
@@ -274,28 +277,6 @@ class StepRunner:
                                    host_tokens=self.overlap and any(
                                        self.speculator.wants_host_tokens(s) for s in seqs))
         return self.carry.last
-
-    def _verify(self, plan: StepPlan, batch: StepBatch, logits: mx.array,
-                rows: list[int]) -> PendingDrafts | None:
-        """Verify the drafting works' rows (engine/runner/verify.py); their sequences' new
-        tokens bypass the sampler's carried state, so a carry holding any of them is
-        dropped (its windows would miss the accepted tokens)."""
-        works = []
-        for i in rows:
-            work = plan.works[batch.logit_owners[i]]
-            if not works or works[-1] is not work:
-                works.append(work)
-        seqs = [w.seq for w in works]
-        last = self.carry.last
-        if last is not None and last.seqs and any(id(s) in last.index for s in seqs):
-            self.carry.drop()
-        try:
-            return verify(logits[mx.array(rows, dtype=mx.int32)], seqs,
-                          [w.drafts for w in works])
-        except Exception as e:
-            for seq in seqs:
-                self.output.finish(seq, FinishReason.ERROR, describe(e))
-            return None
 
     def _constrain(self, logits: mx.array, seqs: list[Sequence], rows: list[int]) -> mx.array:
         """``logits`` with what each constrained row's grammar forbids at -inf (their
@@ -352,23 +333,8 @@ class StepRunner:
             self._report_beam(seq, candidates)
         if launched.drafts is not None:
             for seq, drafts, accepted, tokens in verified:
-                self._guard(seq, self._accept_verified, seq, drafts, accepted, tokens)
+                self._guard(seq, self.drafting.settle, seq, drafts, accepted, tokens)
         self._times.bookkeeping += time.perf_counter() - t1
-
-    def _accept_verified(self, seq: Sequence, drafts: tuple[int, ...], accepted: int,
-                         tokens: list[int]) -> None:
-        """A drafting sequence's verified step: its table keeps the accepted drafts' slots
-        (the rest rolled back), then each kept token is accepted in order; EOS, a stop
-        string or ``max_tokens`` among them ends the reply there (the rest are dropped)."""
-        if seq.finished:
-            return
-        self.speculator.record(seq, len(drafts), accepted)
-        self.telemetry.drafts(len(drafts), accepted)
-        self.scheduler.settle_drafts(seq, accepted)
-        for token in tokens:
-            self.output.accept_token(seq, token)
-            if seq.finished:
-                break
 
     def _report_beam(self, seq: Sequence, candidates: list[tuple[int, float]]) -> None:
         """A beam's best next tokens are known; once its whole group has reported, the group
@@ -434,9 +400,7 @@ class StepRunner:
         seq = work.seq
         if seq.finished:
             return
-        if work.drafts:  # alone, it decodes one token: its drafts are rolled back
-            self.scheduler.settle_drafts(seq, 0)
-            work = replace(work, tokens=work.tokens[:1], slots=work.slots[:1], drafts=())
+        work = self.drafting.alone(work)
         try:
             tokens = [seq.tokens[work.start + j] if t == PENDING else t
                       for j, t in enumerate(work.tokens)]
@@ -445,7 +409,7 @@ class StepRunner:
             mx.eval(logits if logits is not None else self.paged_model.written())
         except Exception as e:
             for s in [seq, *fanout]:
-                self.output.finish(s, FinishReason.ERROR, describe(e))
+                self._fail(s, e)
             return
         if not work.want_logits:
             return
@@ -486,8 +450,12 @@ class StepRunner:
             return fn(*args)
         except Exception as e:
             logger.exception("request %s failed", seq.request.request_id)
-            self.output.finish(seq, FinishReason.ERROR, describe(e))
+            self._fail(seq, e)
             return None
+
+    def _fail(self, seq: Sequence, e: Exception) -> None:
+        """End ``seq`` with ``e`` as its error (the others go on)."""
+        self.output.finish(seq, FinishReason.ERROR, describe(e))
 
 
 def _beam_alone(logits: mx.array, seq: Sequence, num_eos: int) -> list[tuple[int, float]]:

@@ -22,7 +22,11 @@ the samples of an n > 1 request in the step that ends their shared prompt (the p
 ``forks``: the runner samples them from that prompt's logits), forks and prunes the beams
 of a beam search once its group has decided a step (:meth:`advance_beams`; a beam search
 is preempted whole), and frees a finished sequence's blocks when the runner hands it back
-after the step (:meth:`remove`).
+after the step (:meth:`remove`). Two collaborators answer for the features that hook into
+admission and decoding: :class:`DiskAdmission` (engine/sched/disk_admission.py: a prompt
+whose next blocks are on the disk tier waits for the reader) and :class:`DraftSlots`
+(engine/sched/draft_slots.py: the slots a decoding sequence's speculative drafts take, and
+their settling once verified).
 
 The queues are dicts keyed by ``seq_id``, in order (admission order for ``running``, queue
 order for ``waiting``): membership and removal cost the same at 64 sequences as at 2.
@@ -39,6 +43,9 @@ from engine.events import SequenceState
 from engine.kv.block_table import PENDING, BlockTable, chain_hash
 from engine.kv.blocks import BlockAllocator
 from engine.sched.beams import BeamGroup, BeamStep
+from engine.sched.disk_admission import DiskAdmission
+from engine.sched.draft_slots import DraftSlots
+from engine.sched.room import tokens_that_fit
 from engine.sched.sequence import Sequence
 from engine.sched.work import SequenceWork
 
@@ -89,11 +96,10 @@ class Scheduler:
         self.running: dict[int, Sequence] = {}
         self.steps = 0
         self.preemptions = 0
-        #: The disk tier (engine/kv/disk_tier.py ``DiskTier``: ``has``, ``read``), or None.
-        self.disk = None
-        #: Proposes a decoding sequence's speculative drafts (engine/sched/speculation.py
-        #: ``Speculator.propose``); None: no drafting.
-        self.drafter = None
+        #: Admission's lookups on the disk tier (its ``tier`` None: the tier is off).
+        self.disk = DiskAdmission(allocator)
+        #: Speculative drafts' slots (its ``drafter`` None: no drafting).
+        self.drafts = DraftSlots(allocator)
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -120,15 +126,11 @@ class Scheduler:
         """Nothing can run until the disk tier's reader answers: the engine may sleep on its
         inbox (the reader wakes it)."""
         return (not self.running and bool(self.waiting)
-                and all(s.disk_lookup == "reading" for s in self.waiting.values()))
+                and all(self.disk.reading(s) for s in self.waiting.values()))
 
     def disk_read_done(self, seq_id: int) -> None:
-        """The reader answered for ``seq_id`` (its blocks, if any, are in the prefix cache
-        now): it is admitted as usual, and not looked up on disk again."""
-        seq = self.waiting.get(seq_id)
-        if seq is not None and seq.disk_lookup == "reading":
-            seq.disk_lookup = "done"
-            seq.waiting_reason = ""
+        """The reader answered for ``seq_id``: admitted as usual (``DiskAdmission.read_done``)."""
+        self.disk.read_done(self.waiting.get(seq_id))
 
     @property
     def capacity_tokens(self) -> int:
@@ -174,7 +176,7 @@ class Scheduler:
             if seq.inflight and seq.num_generated + 1 >= seq.request.params.max_tokens:
                 continue  # its token in flight is its last: nothing to compute after it
             if self._make_room(seq, 1, plan):
-                self._reserve(seq, 1, plan, self._drafts(seq))
+                self._reserve(seq, 1, plan, self.drafts.granted(seq, len(self.running)))
                 scheduled.add(seq.seq_id)
 
         share = max(1, int(self.prefill_chunk * BACKGROUND_SHARE))
@@ -199,11 +201,11 @@ class Scheduler:
                 continue
             cap = share if self._yields(seq, urgent) else budget
             n = min(budget, cap, seq.num_to_feed)
-            n = min(n, self._tokens_that_fit(seq.table))
+            n = min(n, tokens_that_fit(self.alloc, seq.table))
             if n < 1:
                 if not self._make_room(seq, 1, plan):
                     continue
-                n = min(budget, cap, seq.num_to_feed, self._tokens_that_fit(seq.table))
+                n = min(budget, cap, seq.num_to_feed, tokens_that_fit(self.alloc, seq.table))
             seq.waiting_reason = WAIT_YIELD if n == cap == share < seq.num_to_feed else ""
             self._reserve(seq, n, plan)
             scheduled.add(seq.seq_id)
@@ -330,7 +332,7 @@ class Scheduler:
             if seq.seq_id in just_preempted:
                 self._wait(seq, WAIT_POOL)
                 continue
-            if seq.disk_lookup == "reading":  # the others go on meanwhile
+            if self.disk.reading(seq):  # the others go on meanwhile
                 seq.waiting_reason = WAIT_DISK
                 continue
             if not blocked and used >= budget:
@@ -355,14 +357,14 @@ class Scheduler:
                 self.alloc.free(table)  # its next blocks are being computed: share them next step
                 self._wait(seq, WAIT_PREFIX)
                 continue
-            if not private and self._read_from_disk(seq, table):
+            if not private and self.disk.read_back(seq, table):
                 self.alloc.free(table)
                 seq.waiting_reason = WAIT_DISK
                 continue
             cap = budget - used
             if share is not None and self._yields(seq, urgent):
                 cap = min(cap, share)
-            n = min(cap, seq.length - cached, self._tokens_that_fit(table))
+            n = min(cap, seq.length - cached, tokens_that_fit(self.alloc, table))
             if n < 1:
                 self.alloc.free(table)
                 blocked = WAIT_POOL
@@ -381,20 +383,6 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             used += n
         return used
-
-    def _read_from_disk(self, seq: Sequence, table: BlockTable) -> bool:
-        """Ask the disk tier for the run of full prompt blocks on disk that follows
-        ``table``'s reused prefix; True when ``seq`` now waits for the reader. Looked up
-        once per admission (a preemption looks again): hashes and a set lookup."""
-        if self.disk is None or seq.disk_lookup:
-            return False
-        seq.disk_lookup = "done"
-        hashes, chunks = self.disk.run_on_disk(table.hashes, seq.tokens, self.alloc.block_size)
-        if not hashes:
-            return False
-        seq.disk_lookup = "reading"
-        self.disk.read(seq.seq_id, hashes, chunks)
-        return True
 
     def _beams_fit(self, seq: Sequence) -> bool:
         """A preempted beam search comes back whole: its beams step together, so beams
@@ -461,40 +449,6 @@ class Scheduler:
         plan.works.append(SequenceWork(tokens, start, seq.table.blocks, result.slots,
                                        want_logits=done, seq=seq, drafts=tuple(drafts)))
 
-    def _drafts(self, seq: Sequence) -> list[int]:
-        """The drafts a decoding sequence verifies this step: the drafter's, cut to what the
-        pool holds without preempting anyone (a block kept free for each running sequence:
-        drafts never push a chat out)."""
-        if self.drafter is None or seq.inflight:
-            return []
-        drafts = self.drafter(seq)
-        if not drafts:
-            return []
-        bs = self.alloc.block_size
-        spare = self.alloc.num_available - len(self.running) - self.alloc.blocks_needed(
-            seq.table, 1)
-        room = -(seq.num_in_table + 1) % bs  # left in the block the sequence's token goes to
-        fits = min(room + max(0, spare) * bs, self._tokens_that_fit(seq.table) - 1)
-        return drafts[:max(0, fits)]
-
-    def settle_drafts(self, seq: Sequence, accepted: int) -> None:
-        """``seq``'s drafts were verified: the first ``accepted`` stay in its table, the
-        rest are rolled back (engine/kv/blocks.py ``settle_drafts``). A finished sequence is
-        left alone: its blocks go back after the step."""
-        if not seq.finished and seq.table is not None and seq.table.num_provisional:
-            self.alloc.settle_drafts(seq.table, accepted)
-
-    def _tokens_that_fit(self, table: BlockTable) -> int:
-        """The most tokens ``table`` can take now without preempting anyone."""
-        bs = self.alloc.block_size
-        available = self.alloc.num_available
-        room = (bs - table.num_tokens % bs) % bs
-        if room and self.alloc.refcount(table.blocks[-1]) > 1:  # copy-on-write takes a block
-            if not available:
-                return 0
-            available -= 1
-        return room + available * bs
-
     def _make_room(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         """Preempt the latest-admitted sequences until ``seq`` can take ``n`` more tokens.
         False if ``seq`` itself was preempted or failed."""
@@ -539,7 +493,7 @@ class Scheduler:
         self.alloc.free(seq.table)
         seq.table = None
         seq.state = SequenceState.PREEMPTED
-        seq.disk_lookup = ""  # its blocks may have gone to disk by the time it returns
+        self.disk.look_again(seq)
         seq.waiting_reason = WAIT_PREEMPTED
         seq.preemptions += 1
         self.preemptions += 1
