@@ -31,9 +31,9 @@ while ``a**j > c * N / T``, and ``k`` is the largest such j (0: the sequence sto
 drafting; it probes with one draft every ``PROBE_EVERY`` steps to notice when its text
 turns repetitive).
 
-Pure bookkeeping (no MLX): the scheduler asks :meth:`Speculator.propose` while planning
-(engine/sched/scheduler.py), the step runner reports what was accepted and how long steps
-took (engine/runner/step.py).
+Pure bookkeeping (no MLX): the scheduler's draft slots ask :meth:`Speculator.propose`
+while planning (engine/sched/draft_slots.py), the step runner reports what was accepted
+(engine/runner/drafting.py) and how long steps took (engine/runner/step.py).
 """
 
 from __future__ import annotations
