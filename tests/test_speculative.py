@@ -270,7 +270,8 @@ def test_a_sibling_ahead_proposes_its_continuation():
                                   "tokens": [9, 9, 9, 40, 41, 60, 61]})
     assert speculator.propose(ahead) == []  # nothing after its suffix anywhere yet
     speculator.propose(stranger)  # another prompt: never a sibling
-    assert speculator.propose(behind) == [42, 43, 44, 45]
+    # a new sequence's prior (one in three) against the unmeasured threshold (0.05): 2 drafts
+    assert speculator.propose(behind) == [42, 43]
     speculator.forget(ahead)  # too short a reply to keep
     assert speculator.propose(behind) == []
 
@@ -295,7 +296,7 @@ def test_an_earlier_reply_drafts_for_a_regenerated_one():
     first = sibling(1, list(range(40, 52)))  # 12 tokens: kept
     speculator.forget(first)
     again = sibling(2, [40])
-    assert speculator.propose(again) == [41, 42, 43, 44]
+    assert speculator.propose(again) == [41, 42]  # 2 drafts at the prior, as above
     assert speculator.propose(sibling(3, [40], incognito=True)) == []
     secret = sibling(4, list(range(70, 82)), incognito=True)
     speculator.forget(secret)
@@ -310,8 +311,9 @@ def test_an_earlier_reply_drafts_for_a_regenerated_one():
 @pytest.mark.model
 def test_cancel_mid_draft_and_sampled_drafts_leave_no_block_behind(engine):
     prompt = chat_prompt(EDIT)
+    # greedy: a sampled reply may end at once ("```" then EOS, 1 run in 3), before the cancel
     handle = engine.submit(prompt_tokens=prompt, params=SamplingParams(
-        temperature=0.3, max_tokens=200), session_id="cancel")
+        temperature=0.0, max_tokens=200), session_id="cancel")
     events = iter(handle)
     next(events)  # some tokens are out: it is drafting
     handle.cancel()
