@@ -659,24 +659,39 @@ def cancel_mid_prefill(results: Results, folder: Path, sizes: Sizes, mode: str) 
         eng.stop()
 
 
+#: Tokens of the speculative case's replies (a finished reply is kept as a draft source from
+#: engine/sched/speculation.py's MIN_KEPT_REPLY = 8 tokens on).
+SPECULATIVE_TOKENS = 64
+
+
 def speculative(results: Results, eng: Engine, ref: Reference, sizes: Sizes) -> None:
     """Speculative decoding (ARCHITECTURE §3.13) is on in every engine of this check, so
-    every greedy comparison above runs with whatever drafts the replies propose; here a
-    prompt that repeats itself must still decode as the reference does. Whether the random
-    model's replies give drafts is chance (tests/test_speculative.py proves acceptance on
-    the real model): the drafts verified are printed, not checked."""
+    every greedy comparison above runs with whatever drafts the replies propose. Here a
+    prompt that repeats itself is asked twice: the first reply must decode as the
+    reference does (its drafts, if any, are chance on a random model); the second is the
+    user's "regenerate", whose earlier reply is kept as its drafts and, greedy, is the same
+    reply: its drafts must be accepted, so the step that keeps verified drafts and rolls
+    the rest back runs on the device's kernels, and the reply must still equal the
+    reference's."""
     half = prompt_of(sizes.block_size + 7, sizes.vocab, seed=31)
     prompt = half + half + half[:5]
-    tokens, finals = collect(eng.submit(
-        prompt_tokens=prompt, params=SamplingParams(temperature=0.0,
-                                                    max_tokens=sizes.new_tokens),
-        session_id="speculative"))
-    if ended_well(results, "speculative greedy", finals):
-        compare_greedy(results, "speculative greedy (self-repeating prompt)",
-                       tokens.get(0, []), *ref.greedy(prompt, sizes.new_tokens))
-    counters = eng.snapshot().counters
-    print(f"  drafts so far: {counters.draft_tokens} verified, "
-          f"{counters.accepted_draft_tokens} accepted", flush=True)
+    expected = ref.greedy(prompt, SPECULATIVE_TOKENS)
+    greedy = SamplingParams(temperature=0.0, max_tokens=SPECULATIVE_TOKENS)
+    for attempt in ("first", "regenerated"):
+        accepted_before = eng.telemetry.accepted_draft_tokens
+        tokens, finals = collect(eng.submit(prompt_tokens=prompt, params=greedy,
+                                            session_id=f"speculative-{attempt}"))
+        if not ended_well(results, f"speculative greedy ({attempt})", finals):
+            return
+        got = tokens.get(0, [])
+        compare_greedy(results, f"speculative greedy ({attempt} reply)", got, *expected)
+        # counted when the step that kept them was read, before its tokens were accepted
+        accepted = eng.telemetry.accepted_draft_tokens - accepted_before
+        print(f"  speculative, {attempt} reply: {accepted} drafts accepted of "
+              f"{len(got)} tokens", flush=True)
+    if len(got) >= 8:  # kept as a draft source only from 8 tokens on
+        results.check("speculative: a regenerated reply accepts its earlier reply's drafts",
+                      accepted >= len(got) // 3, f"{accepted} accepted in {len(got)} tokens")
 
 
 def main(argv: list[str] | None = None) -> int:
