@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import mlx.core as mx
+
 from app.core.generation_defaults import FALLBACK
 from engine import Engine, EngineConfig, FinalEvent, SamplingParams
 
@@ -117,6 +119,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--edit-tokens", type=int, default=192)
+    parser.add_argument("--model", default="default",
+                        help="an mlx-lm folder (the GPU run: the default model's q4 copy "
+                             "carried to the device, docs/GPU.md); default: the embedded one")
+    parser.add_argument("--out", type=Path, default=RESULTS / "speculative.md",
+                        help="the report (default: bench/results/speculative.md)")
     args = parser.parse_args()
     workloads = [  # name, run, metric, target
         ("edit (1 chat, greedy)", edit(args.edit_tokens), "decode", 2.0),
@@ -127,7 +134,8 @@ def main() -> None:
     ]
     engines = {}
     for on in (False, True):
-        engines[on] = Engine(EngineConfig(kv_memory_mib=256, speculative=on))
+        engines[on] = Engine(EngineConfig(model=args.model, kv_memory_mib=256,
+                                          speculative=on))
         engines[on].start()
         assert engines[on].wait_ready(600), engines[on].load_error
     results: dict[str, dict[bool, list[dict]]] = {w[0]: {False: [], True: []} for w in workloads}
@@ -152,10 +160,13 @@ def main() -> None:
                     f"({min(off):.1f}-{max(off):.1f}) | {statistics.median(on):.1f} "
                     f"({min(on):.1f}-{max(on):.1f}) | {statistics.median(ratios):.2f}x "
                     f"({min(ratios):.2f}-{max(ratios):.2f}) | >= {target}x: {verdict} |")
+    where = (f"model {args.model}" if args.model != "default" else "default model") + (
+        f", {mx.default_device()}" + (", OpenBLAS preloaded" if mx.default_device() == mx.cpu
+                                       else ""))
     text = "\n".join([
         "# Speculative decoding (issue #28)", "",
         f"`python -m bench.speculative --repeats {args.repeats} --edit-tokens "
-        f"{args.edit_tokens}` (default model, CPU, OpenBLAS preloaded; {args.repeats} "
+        f"{args.edit_tokens}` ({where}; {args.repeats} "
         "repeats, off/on interleaved, each run on prompts no earlier run asked; sampled rows "
         "use the app's default sampling; medians with min-max; the ratio is the median of "
         "the per-repeat ratios).", "",
@@ -165,7 +176,7 @@ def main() -> None:
         f"verified, {counters.accepted_draft_tokens} accepted "
         f"({counters.draft_acceptance:.0%}), in {counters.verify_rows} verify rows.", "",
     ])
-    (RESULTS / "speculative.md").write_text(text)
+    args.out.write_text(text)
     print(text)
 
 
