@@ -160,9 +160,9 @@ def main() -> None:
                     f"({min(off):.1f}-{max(off):.1f}) | {statistics.median(on):.1f} "
                     f"({min(on):.1f}-{max(on):.1f}) | {statistics.median(ratios):.2f}x "
                     f"({min(ratios):.2f}-{max(ratios):.2f}) | >= {target}x: {verdict} |")
-    where = (f"model {args.model}" if args.model != "default" else "default model") + (
-        f", {mx.default_device()}" + (", OpenBLAS preloaded" if mx.default_device() == mx.cpu
-                                       else ""))
+    device = mx.default_device()
+    where = ", ".join([f"model {args.model}" if args.model != "default" else "default model",
+                       str(device), *(["OpenBLAS preloaded"] if device == mx.cpu else [])])
     text = "\n".join([
         "# Speculative decoding (issue #28)", "",
         f"`python -m bench.speculative --repeats {args.repeats} --edit-tokens "

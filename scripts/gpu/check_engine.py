@@ -659,8 +659,8 @@ def cancel_mid_prefill(results: Results, folder: Path, sizes: Sizes, mode: str) 
         eng.stop()
 
 
-#: Tokens of the speculative case's replies (a finished reply is kept as a draft source from
-#: engine/sched/speculation.py's MIN_KEPT_REPLY = 8 tokens on).
+#: Tokens of the speculative case's replies (a finished reply is kept as a draft source only
+#: from MIN_KEPT_REPLY tokens on).
 SPECULATIVE_TOKENS = 64
 
 
@@ -689,7 +689,9 @@ def speculative(results: Results, eng: Engine, ref: Reference, sizes: Sizes) -> 
         accepted = eng.telemetry.accepted_draft_tokens - accepted_before
         print(f"  speculative, {attempt} reply: {accepted} drafts accepted of "
               f"{len(got)} tokens", flush=True)
-    if len(got) >= 8:  # kept as a draft source only from 8 tokens on
+    from engine.sched.speculation import MIN_KEPT_REPLY
+
+    if len(got) >= MIN_KEPT_REPLY:  # shorter replies are not kept as draft sources
         results.check("speculative: a regenerated reply accepts its earlier reply's drafts",
                       accepted >= len(got) // 3, f"{accepted} accepted in {len(got)} tokens")
 
