@@ -26,6 +26,30 @@ from engine.sched.sequence import Sequence
 from engine.sched.work import SequenceWork
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What a launched step held, as the prefill budget and the speculator price it: rows
+    decoding (a drafting row counts once), their draft tokens, prompt tokens and the mean
+    position those attend from, and when the step started (``time.perf_counter``)."""
+
+    decodes: int
+    drafts: int
+    prompt_tokens: int
+    prompt_context: float
+    started: float
+
+    @staticmethod
+    def of(works: list[SequenceWork], started: float) -> StepShape:
+        chunks = [w for w in works if len(w.tokens) != 1 and not w.drafts]
+        prompt_tokens = sum(len(w.tokens) for w in chunks)
+        positions = sum(len(w.tokens) * (w.start + (len(w.tokens) - 1) / 2) for w in chunks)
+        return StepShape(decodes=len(works) - len(chunks),
+                         drafts=sum(len(w.drafts) for w in works),
+                         prompt_tokens=prompt_tokens,
+                         prompt_context=positions / prompt_tokens if prompt_tokens else 0.0,
+                         started=started)
+
+
 @dataclass
 class Launched:
     """A step whose sampled tokens (and beam rows' candidates) are still on the device.
@@ -52,6 +76,8 @@ class Launched:
     drafts: PendingDrafts | None = None
     #: some sampled row may draft next step: its newest token must be on the host by then
     host_tokens: bool = False
+    #: what the step held, for the cost models that learn from its time (set at launch)
+    shape: StepShape | None = None
 
     @property
     def synchronous(self) -> bool:

@@ -51,7 +51,7 @@ from engine.events import FinishReason
 from engine.kv.block_table import PENDING
 from engine.kv.pool import KVPool
 from engine.runner.beams import beam_candidates
-from engine.runner.carry import Launched, SamplerCarry, set_key
+from engine.runner.carry import Launched, SamplerCarry, StepShape, set_key
 from engine.runner.constraints import apply_bitmask
 from engine.runner.drafting import Drafting
 from engine.runner.logprobs import pending_logprobs
@@ -97,6 +97,7 @@ class StepRunner:
         #: steps launched while the previous step's tokens were still unread on the device
         self.launched_ahead = 0
         self._times = StepTimes()
+        self._last_done = 0.0  # when the last step read was over (its tokens on the host)
         #: The disk tier's engine-thread side (engine/runner/disk_sync.py), or None.
         self.disk = None
         #: speculative decoding's drafts (engine/sched/speculation.py); the scheduler asks it
@@ -124,8 +125,10 @@ class StepRunner:
             self.pool.copy_blocks(plan.copies)
             times.schedule = time.perf_counter() - t0
             launched = self._launch(plan)
-            if launched is not None and self._inflight is not None:
-                self.launched_ahead += 1
+            if launched is not None:
+                launched.shape = StepShape.of(plan.works, t0)
+                if self._inflight is not None:
+                    self.launched_ahead += 1
             self.scheduler.commit(plan)
         self._end_inflight()  # the previous step
         if launched is not None:
@@ -135,18 +138,21 @@ class StepRunner:
         self.release_finished()
         if self.disk is not None:
             self.disk.write_through()  # a few newly cached blocks, for the writer thread
-        if not plan.works:
-            return
-        t1 = time.perf_counter()
-        decodes = sum(1 for w in plan.works if len(w.tokens) == 1 or w.drafts)
-        drafts = sum(len(w.drafts) for w in plan.works)
-        chunks = [w for w in plan.works if len(w.tokens) != 1 and not w.drafts]
-        prompt_tokens = sum(len(w.tokens) for w in chunks)
-        positions = sum(len(w.tokens) * (w.start + (len(w.tokens) - 1) / 2) for w in chunks)
-        self.prefill.observe(t1 - t0, decodes, prompt_tokens,
-                             positions / prompt_tokens if prompt_tokens else 0.0)
-        self.speculator.observe_step(t1 - t0, decodes, drafts, prompt_tokens)
-        self.telemetry.step(len(plan.works), t1 - t0, times)
+        if plan.works:
+            self.telemetry.step(len(plan.works), time.perf_counter() - t0, times)
+
+    def _observe(self, shape: StepShape, done: float) -> None:
+        """Teach the prefill budget and the speculator what a step of ``shape`` costs: the
+        time from when the device could start it (its own start, or the previous step's end
+        when it was launched ahead of that) to when its tokens were read. Overlapped, step
+        t+1 is launched before step t is read, so the wall time of one ``step()`` call holds
+        step t's device time beside step t+1's plan; measured this way, each step's prompt
+        tokens and drafts are paired with their own cost, and the cost is the interval the
+        streaming chats see between two tokens."""
+        period = done - max(shape.started, self._last_done)
+        self._last_done = done
+        self.prefill.observe(period, shape.decodes, shape.prompt_tokens, shape.prompt_context)
+        self.speculator.observe_step(period, shape.decodes, shape.drafts, shape.prompt_tokens)
 
     def zero_released(self) -> None:
         """Zero the blocks incognito chats gave back, before anything can take them again
@@ -322,6 +328,8 @@ class StepRunner:
             return
         t1 = time.perf_counter()
         self._times.forward += t1 - t0
+        if launched.shape is not None:
+            self._observe(launched.shape, t1)
         if launched.logprobs is None:
             for seq, token in zip(launched.seqs, values):
                 self._accept(seq, token)
