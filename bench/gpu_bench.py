@@ -352,6 +352,50 @@ def throughput(shape_name: str, ns: list[int], prompt_len: int, gen_tokens: int,
     return rows
 
 
+def kv8_throughput(shape_name: str, shape: dict, n: int, contexts: list[tuple[int, int]],
+                   vocab: int, kv_mib: float, repeats: int) -> list[dict]:
+    """The engine on a 16-bit pool against the same engine on an 8-bit pool (issue #26: "engine
+    throughput at n = 64 not below the 16-bit engine's"), both with ``max_batch`` n and the
+    same KV budget, each workload, interleaved (16, 8, 16, 8, ...); ``contexts``: (prompt
+    tokens, new tokens) pairs (long prompts: decode reads the most K/V)."""
+    tokenizer = make_tokenizer(vocab)
+    model = make_model(shape, mx.bfloat16, vocab)
+    loaded = loaded_model(model, tokenizer, f"random-{shape_name}", mx.bfloat16)
+    engines = {}
+    rows = []
+    try:
+        for precision in ("model", "int8"):
+            engines[precision] = start_engine(loaded, max_batch=n, kv_mib=kv_mib,
+                                              kv_precision=precision)
+        for prompt_len, gen_tokens in contexts:
+            for w, workload in enumerate(WORKLOADS):
+                tps: dict[str, list[float]] = {"model": [], "int8": []}
+                for eng in engines.values():  # warm-up (kernel compiles)
+                    engine_generate(eng, prompts_for(n, prompt_len, vocab, seed=1 + w), 4,
+                                    workload)
+                for r in range(repeats):
+                    for precision, eng in engines.items():
+                        # fresh prompts per run and workload (each engine its own cache)
+                        run_prompts = prompts_for(n, prompt_len, vocab,
+                                                  seed=10_000 * (w + 1) + 100 * r + prompt_len)
+                        elapsed, tokens = engine_generate(eng, run_prompts, gen_tokens, workload)
+                        tps[precision].append(sum(map(len, tokens)) / elapsed)
+                row = dict(shape=shape_name, n=n, prompt=prompt_len, gen=gen_tokens,
+                           workload=workload, tps16=tps["model"], tps8=tps["int8"],
+                           ratio=statistics.median(tps["int8"]) / statistics.median(
+                               tps["model"]))
+                rows.append(row)
+                print(f"[kv8 {shape_name}] n={n} prompt={prompt_len} {workload}: 16-bit "
+                      f"{fmt_spread(tps['model'])} tok/s, 8-bit {fmt_spread(tps['int8'])} "
+                      f"tok/s, ratio {row['ratio']:.2f}x", flush=True)
+    finally:
+        for eng in engines.values():
+            eng.stop()
+        del model, loaded
+        mx.clear_cache()
+    return rows
+
+
 def fmt_spread(values: list[float]) -> str:
     """Median (min-max)."""
     return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
@@ -450,6 +494,37 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+class BudgetTrace:
+    """What the prefill budget decided and learned, step by step, while installed (a profile
+    for the paste scenario): each ``budget()`` call's answer and whether the prompt under way
+    skipped the step, each observed step's time, rows, prompt tokens, and the cost line and
+    decode time the budget held after it. Wraps the engine's PrefillBudget methods (the
+    engine thread calls them); ``close()`` restores them."""
+
+    def __init__(self, eng) -> None:
+        self.prefill = prefill = eng.runtime.stepper.prefill
+        self.events: list[tuple] = []
+        real_budget, real_observe = prefill.budget, prefill.observe
+
+        def budget(decoding, context=0):
+            tokens = real_budget(decoding, context)
+            self.events.append(("budget", time.perf_counter(), tokens, int(prefill.holding),
+                                context))
+            return tokens
+
+        def observe(step_s, decode_rows, prompt_tokens, prompt_context=0.0):
+            real_observe(step_s, decode_rows, prompt_tokens, prompt_context)
+            a, b = prefill.cost.line() if prefill.cost.ready else (0.0, 0.0)
+            self.events.append(("step", time.perf_counter(), step_s, decode_rows, prompt_tokens,
+                                prompt_context, a, b, prefill.decode_s or 0.0))
+
+        prefill.budget, prefill.observe = budget, observe
+
+    def close(self) -> list[tuple]:
+        del self.prefill.budget, self.prefill.observe  # back to the class's methods
+        return self.events
+
+
 def paste_scenario(eng, prompts, repeats: int, short_tokens: int,
                    app_priorities: bool = True) -> dict:
     """Chats streaming when a long paste arrives, then a short question 0.2 s later, on
@@ -481,6 +556,7 @@ def paste_scenario(eng, prompts, repeats: int, short_tokens: int,
             t_before = max(line.times[4] for line in lines)
             t_paste = time.perf_counter()
             paste_line = None
+            trace = BudgetTrace(eng) if with_paste and r == 0 else None
             if with_paste:
                 paste_line = Timeline(eng.submit(
                     prompt_tokens=prompts("paste", run), params=engine_params("app-sampling", 4),
@@ -496,6 +572,8 @@ def paste_scenario(eng, prompts, repeats: int, short_tokens: int,
             if paste_line is not None:
                 paste_line.thread.join()
             t_end = paste_line.times[0] if paste_line else short_line.times[-1]
+            if trace is not None:  # times relative to the paste's arrival
+                runs["trace"] = [(e[0], e[1] - t_paste, *e[2:]) for e in trace.close()]
             for h in stream_handles:
                 h.cancel()
             for line in lines:
@@ -677,6 +755,22 @@ def report(results: dict) -> str:
                   f"{m['ratio']:.2f}x |",
                   f"| vs its parts run apart | {m['engine_s']:.2f} s | {m['parts_s']:.2f} s "
                   f"(parts) | {m['within']:.2f}x |"]
+    if results.get("kv8"):
+        lines += ["", "## Engine throughput, 8-bit pool against 16-bit (issue #26)", "",
+                  "The same engine (max_batch = n, the same KV budget) on a bf16 pool and on an "
+                  "int8 pool with per-token scales; interleaved repeats, aggregate generated "
+                  "tokens/s, median (min-max). Target: the 8-bit engine not below the 16-bit "
+                  "one at n = 64.", "",
+                  "| shape | n | prompt + new tokens | workload | 16-bit | 8-bit | 8 / 16 | "
+                  "per pair | verdict |",
+                  "| --- | ---: | --- | --- | ---: | ---: | ---: | --- | --- |"]
+        for r in results["kv8"]:
+            pairs = [e / m for e, m in zip(r["tps8"], r["tps16"])]
+            lines.append(f"| {r['shape']} | {r['n']} | {r['prompt']} + {r['gen']} | "
+                         f"{r['workload']} | {fmt_spread(r['tps16'])} | "
+                         f"{fmt_spread(r['tps8'])} | {r['ratio']:.2f}x | "
+                         f"{', '.join(f'{x:.2f}' for x in pairs)} | "
+                         f"{verdict(r['ratio'] >= 1.0)} |")
     p = results.get("paste")
     if p:
         lines += ["", f"## Long paste (bf16, 1B shape, the app's engine defaults: 256-token "
@@ -691,7 +785,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke run)")
     parser.add_argument("--out", type=Path, default=None, help="markdown report path")
     parser.add_argument("--json", type=Path, default=None, help="raw numbers path")
-    parser.add_argument("--parts", default="attention,throughput,agreement,mixed,paste")
+    parser.add_argument("--parts", default="attention,throughput,agreement,mixed,paste",
+                        help="comma-separated; also kv8 (8-bit pool against 16-bit)")
     parser.add_argument("--shapes", default="1B,8B", help="throughput shapes")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
@@ -705,6 +800,7 @@ def main(argv: list[str] | None = None) -> None:
         mixed_args = (small, 300, 32, 3, 8, vocab, kv_mib)
         agree = (small, 4, 32, 8, vocab, kv_mib)
         paste_args = (small, 2, 32, 600, 16, 8, vocab, kv_mib, args.repeats)
+        kv8_args = [("tiny", small, 4, [(32, 8)], vocab, kv_mib, args.repeats)]
     else:
         shapes = {k: SHAPES[k] for k in args.shapes.split(",")}
         ns, prompt_len, gen, vocab, kv_mib = [1, 8, 32, 64], 128, 128, VOCAB, 8192.0
@@ -712,6 +808,8 @@ def main(argv: list[str] | None = None) -> None:
         mixed_args = (SHAPES["1B"], 2500, 128, 7, 128, VOCAB, kv_mib)
         agree = (SHAPES["1B"], 64, 128, 32, VOCAB, kv_mib)
         paste_args = (SHAPES["1B"], 4, 128, 8000, 64, 64, VOCAB, kv_mib, args.repeats)
+        kv8_args = [(name, SHAPES[name], 64, [(128, 128), (2048, 64)], VOCAB, 24576.0,
+                     args.repeats) for name in shapes]
     from engine.attention.dispatch import kernel_path
 
     results: dict = dict(device=str(mx.default_device()), path=kernel_path() or "reference",
@@ -749,6 +847,9 @@ def main(argv: list[str] | None = None) -> None:
     if "mixed" in parts:
         results["mixed"] = mixed(*mixed_args)
         print("mixed", results["mixed"], flush=True)
+        save()
+    if "kv8" in parts:
+        results["kv8"] = [row for a in kv8_args for row in kv8_throughput(*a)]
         save()
     if "paste" in parts:
         results["paste"] = paste(*paste_args)
