@@ -25,7 +25,13 @@ from engine.kv.block_table import BlockTable
 from engine.kv.blocks import BlockAllocator
 from engine.kv.invariants import check_invariants
 from engine.runner.verify import verify
-from engine.sched.speculation import KEPT_PROMPTS, NgramIndex, Speculator, StepCost
+from engine.sched.speculation import (
+    KEPT_PROMPTS,
+    PROBE_EVERY,
+    NgramIndex,
+    Speculator,
+    StepCost,
+)
 from tests.reference import chat_prompt, collect, greedy_reference, oracle_distribution, wait_until
 from tests.test_sampling import assert_counts_follow
 
@@ -306,6 +312,34 @@ def test_an_earlier_reply_drafts_for_a_regenerated_one():
         other.tokens = [prompt, 0, 0] + other.tokens[3:]
         speculator.forget(other)
     assert speculator.propose(sibling(6, [40])) == []
+
+
+def test_an_overlapped_sequence_that_stopped_drafting_still_probes():
+    """Overlapped (a GPU), the scheduler asks for a sequence's drafts only in a step that
+    has its newest token on the host (engine/sched/draft_slots.py), which
+    ``wants_host_tokens`` decides at the launch before. A sequence priced out of drafting
+    must still get its probe after ``PROBE_EVERY`` tokens: on the H200 a regenerated greedy
+    reply, whose earlier reply was all right, accepted no draft in 64 tokens because the
+    probe's clock ticked only when the speculator was asked."""
+    speculator = Speculator(max_draft=4)
+    for _ in range(4):  # plain steps of one row 10 ms, a step with one draft 16.7 ms
+        speculator.cost.observe(0.010, decode_rows=1, draft_rows=0)
+    speculator.cost.observe(0.0167, decode_rows=1, draft_rows=1)
+    assert speculator.cost.threshold() > 0.5  # above a new sequence's prior of one in three
+    reply = list(range(40, 90))
+    speculator.forget(sibling(1, reply))  # the reply being regenerated, kept as drafts
+    seq = sibling(2, reply[:1])
+    on_host = True  # a new sequence's first step is read before the next one is planned
+    drafted_at = []
+    while seq.num_generated < len(reply) - 1:
+        drafts = speculator.propose(seq) if on_host else []  # a token in flight: not asked
+        if drafts:
+            drafted_at.append(seq.num_generated)
+            assert drafts == reply[seq.num_generated:seq.num_generated + len(drafts)]
+        on_host = speculator.wants_host_tokens(seq)  # at this step's launch
+        seq.tokens.append(reply[seq.num_generated])  # its token, read
+        seq.num_generated += 1
+    assert drafted_at and drafted_at[0] <= PROBE_EVERY + 1, drafted_at
 
 
 @pytest.mark.model

@@ -28,8 +28,11 @@ adds ``a**j`` expected tokens; a row costs ``c`` seconds (measured: the steps wi
 against those without, medians of the last 16 of each, :class:`StepCost`); the step makes
 ``N / T`` tokens per second (N decode rows in T seconds). So the j-th draft is worth it
 while ``a**j > c * N / T``, and ``k`` is the largest such j (0: the sequence stops
-drafting; it probes with one draft every ``PROBE_EVERY`` steps to notice when its text
-turns repetitive).
+drafting; it probes with one draft once ``PROBE_EVERY`` tokens have passed since its last
+draft, to notice when its text turns repetitive). The probe's clock counts the sequence's
+tokens, not the steps that consulted the speculator: an overlapped step (a GPU) never
+consults it for a sequence whose newest token is still on the device, so a clock of
+consultations stopped for good once a sequence stopped drafting there.
 
 Pure bookkeeping (no MLX): the scheduler's draft slots ask :meth:`Speculator.propose`
 while planning (engine/sched/draft_slots.py), the step runner reports what was accepted
@@ -106,7 +109,7 @@ class DraftState:
     #: which cost 4% of its time for almost nothing kept
     accepted: float = 1.0
     trials: float = 3.0
-    idle_steps: int = 0  # steps with a proposal but no draft since the last probe
+    last_try: int = 0  # the sequence's generated tokens when it last drafted (or probed)
 
     @property
     def acceptance(self) -> float:
@@ -194,8 +197,9 @@ class Speculator:
         if not self.eligible(seq):
             return False
         state = self._states.get(seq.seq_id)
+        # the token being sampled now counts: the next step is the one that may probe
         return (state is None or self.draft_length(state) > 0
-                or state.idle_steps + 1 >= PROBE_EVERY)
+                or seq.num_generated + 1 - state.last_try >= PROBE_EVERY)
 
     # ---- proposing --------------------------------------------------------------------------
 
@@ -214,11 +218,10 @@ class Speculator:
             return []
         k = self.draft_length(state)
         if k == 0:
-            state.idle_steps += 1
-            if state.idle_steps < PROBE_EVERY:
+            if seq.num_generated - state.last_try < PROBE_EVERY:
                 return []
             k = 1  # a probe: is the text repetitive again?
-        state.idle_steps = 0
+        state.last_try = seq.num_generated
         return drafts[:k]
 
     def draft_length(self, state: DraftState) -> int:

@@ -714,8 +714,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{modes} ({kernel_path() or 'reference only'})", flush=True)
         lengths_matrix(results, folder, ref, sizes, modes)
         for mode in modes:
+            # overlapped, as every GPU engine is, so that the CPU's run (CI) takes the
+            # device's path too: a speculator that waited for a probe never got one there
             eng = start(folder, sizes, attention=mode, prefill_chunk=sizes.aux_chunk,
-                        prefill_target=0)
+                        prefill_target=0, overlap=True)
             try:
                 prefix_cache(results, eng, ref, sizes)
                 forks(results, eng, ref, sizes)
