@@ -342,6 +342,49 @@ def test_an_overlapped_sequence_that_stopped_drafting_still_probes():
     assert drafted_at and drafted_at[0] <= PROBE_EVERY + 1, drafted_at
 
 
+def overlapped_run(speculator: Speculator, seq, reply: list[int]) -> tuple[list[int], list[int]]:
+    """Decode ``reply`` as an overlapped engine calls the speculator: asked for drafts only
+    in a step whose newest token is on the host, which ``wants_host_tokens`` decided at the
+    launch before. Returns where it drafted and which steps gave up the overlap."""
+    on_host = True  # a new sequence's first step is read before the next one is planned
+    drafted_at, synchronous = [], []
+    while seq.num_generated < len(reply):
+        drafts = speculator.propose(seq) if on_host else []
+        if drafts:
+            drafted_at.append(seq.num_generated)
+        on_host = speculator.wants_host_tokens(seq)
+        if on_host:
+            synchronous.append(seq.num_generated)
+        seq.tokens.append(reply[seq.num_generated])
+        seq.num_generated += 1
+    return drafted_at, synchronous
+
+
+@pytest.mark.parametrize("priced", ["out", "in"])
+def test_a_chat_that_never_repeats_keeps_the_overlap(priced):
+    """A step that asks for a token on the host gives up the overlap for the whole batch.
+    A sequence whose lookups find nothing must not ask every step: after ``e9f4f55`` a
+    sequence priced out of drafting asked every step once its probe was due, as long as its
+    text did not repeat (here 185 of 200 steps), and a sequence priced in asked every step
+    from the start (199 of 200). With the back-off it asks about once per ``PROBE_EVERY``
+    tokens; when its text turns repetitive it drafts again within ``PROBE_EVERY`` tokens."""
+    speculator = Speculator(max_draft=4)
+    for _ in range(4):
+        speculator.cost.observe(0.010, decode_rows=1, draft_rows=0)
+    speculator.cost.observe(0.0167 if priced == "out" else 0.0101, decode_rows=1,
+                            draft_rows=1)
+    fresh = list(range(5000, 5200))  # no token of it occurs twice, nor in the prompt
+    seq = sibling(3, fresh[:1])
+    assert (speculator.draft_length(speculator._state(seq)) > 0) == (priced == "in")
+    drafted_at, synchronous = overlapped_run(speculator, seq, fresh)
+    assert not drafted_at
+    assert len(synchronous) <= len(fresh) // PROBE_EVERY + 6, synchronous
+    # the text repeats from here on: its own earlier tokens are drafts again
+    repeated = fresh + fresh[:120]
+    drafted_at, _ = overlapped_run(speculator, seq, repeated)
+    assert drafted_at and drafted_at[0] <= len(fresh) + PROBE_EVERY + 1, drafted_at
+
+
 @pytest.mark.model
 def test_cancel_mid_draft_and_sampled_drafts_leave_no_block_behind(engine):
     prompt = chat_prompt(EDIT)

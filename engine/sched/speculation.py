@@ -34,6 +34,15 @@ tokens, not the steps that consulted the speculator: an overlapped step (a GPU) 
 consults it for a sequence whose newest token is still on the device, so a clock of
 consultations stopped for good once a sequence stopped drafting there.
 
+**The host token's price.** Overlapped, a step launched while the previous one runs cannot
+draft: its drafts follow a token still on the device. So a sequence that may draft asks for
+its newest token on the host (:meth:`Speculator.wants_host_tokens`), and that step gives up
+the overlap for the whole batch. A lookup that finds no draft backs the asking off: after
+``m`` misses in a row the sequence asks again only ``2**(m-1)`` tokens later (at most
+``PROBE_EVERY``), so a chat whose text never repeats runs overlapped almost always instead of
+synchronously every step. A synchronous engine (the CPU) is asked every step anyway and
+looks up every step: the lookup is a few dict probes.
+
 Pure bookkeeping (no MLX): the scheduler's draft slots ask :meth:`Speculator.propose`
 while planning (engine/sched/draft_slots.py), the step runner reports what was accepted
 (engine/runner/drafting.py) and how long steps took (engine/runner/step.py).
@@ -53,7 +62,8 @@ MAX_NGRAM = 4
 MIN_NGRAM = 1
 #: Most drafts a sequence verifies in one step.
 MAX_DRAFT = 8
-#: A sequence that stopped drafting tries one draft after this many steps with a proposal.
+#: A sequence that stopped drafting tries one draft after this many of its tokens; also the
+#: longest a sequence whose lookups miss waits before asking for its token on the host again.
 PROBE_EVERY = 16
 #: Weight kept by older acceptance observations at each new one.
 ACCEPT_DECAY = 0.8
@@ -110,6 +120,17 @@ class DraftState:
     accepted: float = 1.0
     trials: float = 3.0
     last_try: int = 0  # the sequence's generated tokens when it last drafted (or probed)
+    misses: int = 0  # lookups in a row that found no draft
+    next_look: int = 0  # generated tokens before its token is wanted on the host again
+
+    def probe_due(self, num_generated: int) -> bool:
+        """Whether a sequence priced out of drafting probes at ``num_generated`` tokens."""
+        return num_generated - self.last_try >= PROBE_EVERY
+
+    def missed(self, num_generated: int) -> None:
+        """A lookup found nothing: back off asking for the host token (1, 2, 4 ... tokens)."""
+        self.misses += 1
+        self.next_look = num_generated + min(2 ** (self.misses - 1), PROBE_EVERY)
 
     @property
     def acceptance(self) -> float:
@@ -197,9 +218,13 @@ class Speculator:
         if not self.eligible(seq):
             return False
         state = self._states.get(seq.seq_id)
-        # the token being sampled now counts: the next step is the one that may probe
-        return (state is None or self.draft_length(state) > 0
-                or seq.num_generated + 1 - state.last_try >= PROBE_EVERY)
+        if state is None:
+            return True
+        # the token being sampled now counts: the next step is the one that may draft
+        upcoming = seq.num_generated + 1
+        if upcoming < state.next_look:
+            return False  # its lookups missed lately
+        return self.draft_length(state) > 0 or state.probe_due(upcoming)
 
     # ---- proposing --------------------------------------------------------------------------
 
@@ -213,16 +238,16 @@ class Speculator:
                     seq.request.params.max_tokens - seq.num_generated - 1)
         if limit <= 0:
             return []
+        k = self.draft_length(state)
+        if k == 0 and not state.probe_due(seq.num_generated):
+            return []
         drafts = self._lookup(seq, state, limit)
         if not drafts:
+            state.missed(seq.num_generated)
             return []
-        k = self.draft_length(state)
-        if k == 0:
-            if seq.num_generated - state.last_try < PROBE_EVERY:
-                return []
-            k = 1  # a probe: is the text repetitive again?
+        state.misses = 0
         state.last_try = seq.num_generated
-        return drafts[:k]
+        return drafts[:max(k, 1)]  # k == 0: a probe of one draft (is the text repetitive?)
 
     def draft_length(self, state: DraftState) -> int:
         """The largest j with ``a**j > threshold`` (capped at ``max_draft``)."""
