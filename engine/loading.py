@@ -34,6 +34,7 @@ from engine.runner.disk_sync import DiskSync
 from engine.runner.model_adapter import PagedModel
 from engine.runner.output import Output
 from engine.runner.step import StepRunner
+from engine.runner.step_batch import bucket_below
 from engine.runner.telemetry import Telemetry
 from engine.sched.prefill_budget import MIN_PROMPT_TOKENS, PrefillBudget
 from engine.sched.scheduler import Scheduler
@@ -112,8 +113,11 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry,
     scheduler = Scheduler(alloc, cfg.max_batch, cfg.prefill_chunk)
     paged_model = PagedModel(loaded.model, pool, use_kernel=use_kernel)
     output = Output(telemetry, set(loaded.tokenizer.eos_token_ids), max_context)
-    prefill = PrefillBudget(cfg.prefill_chunk, MIN_PROMPT_TOKENS, cfg.prefill_target)
-    overlap = overlap_steps(cfg, mx.default_device() == mx.gpu)
+    on_gpu = mx.default_device() == mx.gpu
+    # a GPU plans (graphs, matmuls) per token count: chunks keep to bucketed sizes there
+    prefill = PrefillBudget(cfg.prefill_chunk, MIN_PROMPT_TOKENS, cfg.prefill_target,
+                            floor=bucket_below if on_gpu else None)
+    overlap = overlap_steps(cfg, on_gpu)
     stepper = StepRunner(scheduler, pool, paged_model, output, telemetry, prefill,
                          overlap=overlap,
                          speculator=Speculator(enabled=speculative_drafts(cfg, overlap)))

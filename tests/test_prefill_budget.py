@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.runner.step_batch import bucket, bucket_below
 from engine.sched.prefill_budget import MAX_SKIPPED_STEPS, PrefillBudget
 
 
@@ -142,3 +143,48 @@ def test_a_cold_start_does_not_read_a_slope_from_chunks_a_few_tokens_apart():
     assert not budget.holding and n >= 8
     # what it admits fits the allowance at the mean cost it has seen
     assert n == pytest.approx(decode / budget.cost.line()[0], abs=1)
+
+
+def launch_bound_step(decode: float, n: int, step: int) -> float:
+    """The H200's 1B paste profile (bench/results/gpu.md, raw/gpu_paste_50ca12e.json): up to
+    64 prompt tokens ride along with five decodes for free, then 0.14 ms a token; steps
+    spread +-12% around their cost (a fixed pattern, no randomness)."""
+    noise = (0.88, 1.12, 0.95, 1.05, 1.0)[step % 5]
+    return (decode + max(0, n - 64) * 0.00014) * noise
+
+
+@pytest.mark.parametrize("floor", [None, bucket_below], ids=["any", "bucketed"])
+def test_free_chunks_do_not_make_the_next_one_overshoot(floor):
+    """On a launch-bound GPU step, 64 prompt tokens cost nothing measurable and more cost
+    0.14 ms each. A price per token fitted to the free chunks went flat and the budget
+    then admitted 120-170 tokens at a time (steps of 12-21 ms beside a 6.6 ms decode: the
+    streams' p99, 3.65x on the H200); on this profile the old budget's steps reached 3.05x
+    (and its second chunk took all 512 tokens). With the knee the steps stay within the
+    target up to their noise, and the paste still gets its free tokens every step;
+    bucketed, every chunk is a bucketed size."""
+    decode = 0.0066
+    budget = PrefillBudget(max_chunk=512, min_chunk=8, target=2.0, floor=floor)
+    for i in range(4):
+        budget.observe(launch_bound_step(decode, 0, i), decode_rows=5, prompt_tokens=0)
+    taken, ratios = [], []
+    context = 0
+    for i in range(80):
+        n = budget.budget(decoding=True, context=context)
+        step = launch_bound_step(decode, n, i)
+        budget.observe(step, decode_rows=5, prompt_tokens=n, prompt_context=context + n / 2)
+        context += n
+        taken.append(n)
+        ratios.append(step / decode)
+    late = ratios[10:]
+    # the issue's bound on the streams' p99 (2.5x), and the target on average
+    assert max(late) <= 2.5 and sum(late) / len(late) <= 2.05, [round(r, 2) for r in ratios]
+    assert sum(taken[10:]) / len(taken[10:]) >= 64, taken
+    if floor is not None:
+        assert all(bucket(n) == n for n in taken), taken
+
+
+def test_bucket_below_is_the_largest_bucket_not_above():
+    for n in range(1, 3000):
+        below = bucket_below(n)
+        assert below <= n and bucket(below) == below
+        assert bucket(below + 1) > n or below == n, n

@@ -51,6 +51,15 @@ def bucket(n: int) -> int:
     return up * 3 // 4 if n <= up * 3 // 4 else up
 
 
+def bucket_below(n: int) -> int:
+    """The largest of 1, 2, 3, 4, 6, 8, 12, 16, ... not above ``n`` (a token budget rounded
+    down to a shape :func:`bucket` keeps: engine/sched/prefill_budget.py)."""
+    if n <= 2:
+        return max(n, 0)
+    down = 1 << (n.bit_length() - 1)
+    return down * 3 // 2 if n >= down * 3 // 2 else down
+
+
 @dataclass(frozen=True)
 class DecodeGroup:
     """Decode rows ``[start, stop)`` whose tables need only their first ``width`` columns."""

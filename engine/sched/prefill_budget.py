@@ -12,9 +12,33 @@ decodes), the prompt skips steps: each skipped step banks its allowance, and the
 once the bank pays for a chunk, or after ``MAX_SKIPPED_STEPS`` at the latest (its
 guaranteed share: it always finishes). The streaming chats then see most steps at decode
 speed and the average step at the target.
+
+**Free tokens (a step bound by its launch).** On a GPU a small model's step costs its
+launches, not its arithmetic: the H200 read 64 prompt tokens beside five decodes at the cost
+of the decode step alone (5.7-7.6 ms against 6.6), and 140 tokens at 14-21 ms. A price per
+token fitted to those free chunks went flat (0.05 ms a token), so the budget admitted 120-170
+tokens and those steps were the streams' p99. So the budget keeps a *knee*: the most prompt
+tokens a recent step carried at no measurable cost (within ``FREE_SHARE`` of a decode step,
+the steps' own noise), and prices only the tokens past it; free steps confirm the knee and
+never pull the price down. A step no larger than the knee that was not free (the CPU, where
+a chunk at a long context re-reads that context) drops the knee at once: a price per token
+as before. Before any costly step is seen, the budget doubles what it found free (a slow
+start).
+
+**Stable shapes.** ``floor`` (a GPU: engine/loading.py passes the step's bucket rounding)
+rounds a budget that is not the whole chunk down to a bucketed size, so a paste's chunks
+repeat a few shapes and the backend reuses its compiled graphs and matmul plans instead of
+planning a new token count nearly every step.
+
+The decode step the target multiplies is the median of the last ``DECODE_WINDOW`` steps of
+decodes only: one slow step (a page fault, another process) must not set the target.
 """
 
 from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable
 
 #: Weight kept by the older measurements at each new one (the fit follows a changing mix).
 DECAY = 0.7
@@ -27,17 +51,30 @@ MAX_SKIPPED_STEPS = 4
 #: start fitted 3 ms per token of context from contexts 17 and 20, and the paste then skipped
 #: every step it could).
 MIN_CONTEXT_SPREAD = 64.0
+#: A prompt step whose time exceeds the decode step by at most this share carried its prompt
+#: tokens for free (the noise of a step's time: the H200's decode steps spread +-15%).
+FREE_SHARE = 0.15
+#: The knee is the largest of this many latest free chunks (forgotten at once when a chunk
+#: no larger than the knee is not free: a longer context, or no launch-bound step at all).
+KNEE_WINDOW = 8
+#: Decode-only steps whose median is the decode step.
+DECODE_WINDOW = 16
 
 
 class PrefillBudget:
-    def __init__(self, max_chunk: int, min_chunk: int, target: float) -> None:
+    def __init__(self, max_chunk: int, min_chunk: int, target: float,
+                 floor: Callable[[int], int] | None = None) -> None:
         """target: step time over a pure decode step (0 disables: always ``max_chunk``);
-        min_chunk: tokens a long prompt advances at least when it runs."""
+        min_chunk: tokens a long prompt advances at least when it runs; floor: rounds a
+        budget down to a stable shape (None: any count)."""
         self.max_chunk = max_chunk
         self.min_chunk = min(min_chunk, max_chunk)
         self.target = target
-        self.decode_s: float | None = None  # a step of decodes only
-        self.cost = TokenCost()  # what one prompt token adds to a step, by its context
+        self.floor = floor
+        self.decode_s: float | None = None  # a step of decodes only (recent median)
+        self._decodes: deque[float] = deque(maxlen=DECODE_WINDOW)
+        self.cost = TokenCost()  # what one prompt token past the knee adds, by its context
+        self._free: deque[int] = deque(maxlen=KNEE_WINDOW)  # the latest free chunks' sizes
         self._banked = 0.0  # allowance saved by skipped steps (seconds)
         self._skipped = 0
         #: The last budget() skipped the prompts under way (new prompts may still start).
@@ -53,21 +90,39 @@ class PrefillBudget:
         if not decoding or not self.target:
             self._banked, self._skipped = 0.0, 0
             return self.max_chunk
-        if self.decode_s is None or not self.cost.ready:
+        if self.decode_s is None:
             return self.min_chunk  # no measurement yet: start small, learn from this step
+        knee = self.knee
+        if not self.cost.ready:  # every chunk so far was free: try twice the largest
+            return self._shaped(2 * knee)
         allowance = (self.target - 1.0) * self.decode_s
-        if self.cost.of(self.min_chunk, context) > allowance + self._banked:
+        if self._price(self.min_chunk, context, knee) > allowance + self._banked:
             if self._skipped < MAX_SKIPPED_STEPS:
                 self._skipped += 1
                 self._banked += allowance
                 self.holding = True
-                fresh = self.cost.tokens_within(allowance, 0)
-                return int(max(self.min_chunk, min(self.max_chunk, fresh)))
+                return self._shaped(knee + self.cost.tokens_within(allowance, knee))
             fits = self.min_chunk  # the guaranteed share
         else:
-            fits = self.cost.tokens_within(allowance + self._banked, context)
+            fits = knee + self.cost.tokens_within(allowance + self._banked, context + knee)
         self._banked, self._skipped = 0.0, 0
-        return int(max(self.min_chunk, min(self.max_chunk, fits)))
+        return self._shaped(fits)
+
+    @property
+    def knee(self) -> int:
+        """Prompt tokens a recent step carried at no measurable cost (0: none did)."""
+        return max(self._free, default=0)
+
+    def _price(self, tokens: int, context: int, knee: int) -> float:
+        """Seconds ``tokens`` prompt tokens from ``context`` on add to a step."""
+        past = tokens - knee
+        return self.cost.of(past, context + knee) if past > 0 else 0.0
+
+    def _shaped(self, tokens: int) -> int:
+        tokens = int(max(self.min_chunk, min(self.max_chunk, tokens)))
+        if self.floor is not None and tokens < self.max_chunk:
+            tokens = max(self.min_chunk, self.floor(tokens))
+        return tokens
 
     def observe(self, step_s: float, decode_rows: int, prompt_tokens: int,
                 prompt_context: float = 0.0) -> None:
@@ -75,12 +130,24 @@ class PrefillBudget:
         tokens attended to (their positions' mean)."""
         if prompt_tokens == 0:
             if decode_rows:
-                self.decode_s = _ema(self.decode_s, step_s)
+                self._decodes.append(step_s)
+                self.decode_s = statistics.median(self._decodes)
             return
         if decode_rows and self.decode_s is None:
             return  # cannot tell the prompt's share of this step yet
         base = self.decode_s if decode_rows else 0.0
-        self.cost.observe(prompt_context, max(step_s - base, 1e-9) / prompt_tokens)
+        extra = step_s - base
+        if decode_rows and extra <= FREE_SHARE * base:
+            self._free.append(prompt_tokens)  # free: the knee is at least this
+            return
+        knee = self.knee
+        if prompt_tokens <= knee:
+            self._free.clear()  # tokens under the knee cost something: there is none
+            knee = 0
+        # priced past the knee; a chunk not past it (a slow step's noise) at its whole size
+        priced = prompt_tokens - knee if prompt_tokens > knee else prompt_tokens
+        self.cost.observe(prompt_context + (prompt_tokens - priced) / 2,
+                          max(extra, 1e-9) / priced)
 
 
 class TokenCost:
@@ -127,7 +194,3 @@ class TokenCost:
             return int(seconds / linear)
         half = b / 2.0
         return int((-linear + (linear * linear + 4.0 * half * seconds) ** 0.5) / (2.0 * half))
-
-
-def _ema(previous: float | None, value: float) -> float:
-    return value if previous is None else previous + 0.3 * (value - previous)
