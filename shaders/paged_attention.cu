@@ -8,8 +8,9 @@
 //
 // The design is the Metal kernel's (paged_attention.metal), with warps for simdgroups:
 // one thread block per (sequence, KV head, partition) serves every query head of that KV head,
-// so each K/V byte is read once; a lane group takes a token, its lanes split head_dim (16-byte
-// loads) and q.k is a short __shfl_xor_sync butterfly; fp32 online softmax; warps take the blocks
+// so each K/V byte is read once; a lane group takes tokens, its lanes split head_dim (16-byte
+// loads, a whole step's issued before the first is used) and q.k is a short __shfl_xor_sync
+// butterfly; fp32 online softmax, one rescale per step; warps take the blocks
 // round-robin and are merged through shared memory; long contexts are split into partitions (split-K) merged by
 // paged_attention_reduce. K/V are read straight from the pool through the block table.
 //
@@ -24,8 +25,9 @@
 // 8-bit pools (issue #26): engine/attention/plans.py builds paged_attention_q8 from the same
 // body with "#define PC_KV8 1" in front: k_pool / v_pool are int8 and two more inputs,
 // k_scales / v_scales [num_blocks, BS, num_kv_heads] __half, hold one scale per (slot, KV
-// head); a K or V element is q * s (symmetric, no zero point: engine/kv/int8.py), dequantized
-// in registers as it is loaded (8 bytes per lane instead of 16).
+// head); a K or V element is q * s (symmetric, no zero point: engine/kv/int8.py), widened in
+// registers (8 bytes per lane per row instead of 16), the scales applied to each token's score
+// and weight rather than to every element.
 
 // ==== header ====
 #ifndef CUDA_EMU  // MLX's default header includes them already; the emulator defines the types
@@ -141,9 +143,15 @@ constexpr int TPW = WARP / TPT;  // tokens a warp works on at once
 constexpr int R = QT * G;  // rows of this block: row r = query token r / G, head r % G
 // Tokens per lane per step: registers hold NT raw K and V rows (<= 32 words each) and R * NT
 // scores (<= 32), and a step stays inside one KV block.
+// At the 8B shape (R = 4, bf16 or int8, BS 16): NT = 8, a step is the whole block (8 KB of
+// bf16 K and V per warp in flight), ~250 registers (ptxas, sm_90), 2 blocks of 4 warps per SM.
+#ifdef PC_NT
+constexpr int NT_MAX = PC_NT;  // a power of two; scripts/gpu/kv8_attention.py --step-tokens
+#else
 constexpr int NT_RAW = sizeof(KV) == 4 ? 4 : 8;
 constexpr int NT_ROWS = R <= 4 ? 8 : (R <= 8 ? 4 : 2);
 constexpr int NT_MAX = NT_RAW < NT_ROWS ? NT_RAW : NT_ROWS;
+#endif
 constexpr int NT = BS / TPW < NT_MAX ? BS / TPW : NT_MAX;
 constexpr int STEP = TPW * NT;  // tokens per step of a warp (divides BS)
 constexpr int SPB = BS / STEP;  // steps per KV block
