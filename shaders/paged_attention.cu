@@ -8,8 +8,9 @@
 //
 // The design is the Metal kernel's (paged_attention.metal), with warps for simdgroups:
 // one thread block per (sequence, KV head, partition) serves every query head of that KV head,
-// so each K/V byte is read once; a lane group takes a token, its lanes split head_dim (16-byte
-// loads) and q.k is a short __shfl_xor_sync butterfly; fp32 online softmax; warps take the blocks
+// so each K/V byte is read once; a lane group takes tokens, its lanes split head_dim (16-byte
+// loads, a whole step's issued before the first is used) and q.k is a short __shfl_xor_sync
+// butterfly; fp32 online softmax, one rescale per step; warps take the blocks
 // round-robin and are merged through shared memory; long contexts are split into partitions (split-K) merged by
 // paged_attention_reduce. K/V are read straight from the pool through the block table.
 //
@@ -24,8 +25,9 @@
 // 8-bit pools (issue #26): engine/attention/plans.py builds paged_attention_q8 from the same
 // body with "#define PC_KV8 1" in front: k_pool / v_pool are int8 and two more inputs,
 // k_scales / v_scales [num_blocks, BS, num_kv_heads] __half, hold one scale per (slot, KV
-// head); a K or V element is q * s (symmetric, no zero point: engine/kv/int8.py), dequantized
-// in registers as it is loaded (8 bytes per lane instead of 16).
+// head); a K or V element is q * s (symmetric, no zero point: engine/kv/int8.py), widened in
+// registers (8 bytes per lane per row instead of 16), the scales applied to each token's score
+// and weight rather than to every element.
 
 // ==== header ====
 #ifndef CUDA_EMU  // MLX's default header includes them already; the emulator defines the types
@@ -47,33 +49,60 @@ __device__ __forceinline__ __nv_bfloat16 pc_cast<__nv_bfloat16>(float x) {
   return __float2bfloat16(x);
 }
 
-// VEC consecutive head-dim elements of one K or V row as fp32: one 16-byte load for fp16 and
-// bf16, two for fp32 (rows start at multiples of 8 elements: D is a multiple of 8).
+// Raw bits of VEC consecutive head-dim elements of one K or V row: one 16-byte load for fp16
+// and bf16, two for fp32, one 8-byte load for int8 (rows start at multiples of 8 elements: D is
+// a multiple of 8). The kernel issues a whole step's loads into these registers first and
+// converts them (pc_unpack) only when it uses them, so many loads are in flight per lane.
 constexpr int PC_VEC = 8;
-template <typename T>
-__device__ __forceinline__ void pc_load_vec(const T* p, float (&o)[PC_VEC]) {
-  if constexpr (sizeof(T) == 2) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    T h[PC_VEC];
-    memcpy(h, &raw, sizeof(raw));
-    for (int i = 0; i < PC_VEC; ++i) {
-      o[i] = pc_f32(h[i]);
-    }
+template <typename E>
+struct PcRaw {
+  static constexpr int N = PC_VEC * int(sizeof(E)) / 4;  // 32-bit words: 2, 4 or 8
+  uint32_t w[N];
+};
+template <typename E>
+__device__ __forceinline__ void pc_load_raw(const E* p, PcRaw<E>& r) {
+  if constexpr (sizeof(E) == 1) {
+    const uint2 a = *reinterpret_cast<const uint2*>(p);
+    r.w[0] = a.x;
+    r.w[1] = a.y;
   } else {
-    const float4 a = reinterpret_cast<const float4*>(p)[0];
-    const float4 b = reinterpret_cast<const float4*>(p)[1];
-    o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-    o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+#pragma unroll
+    for (int c = 0; c < PcRaw<E>::N / 4; ++c) {
+      const uint4 a = reinterpret_cast<const uint4*>(p)[c];
+      r.w[4 * c] = a.x;
+      r.w[4 * c + 1] = a.y;
+      r.w[4 * c + 2] = a.z;
+      r.w[4 * c + 3] = a.w;
+    }
+  }
+}
+template <typename E>
+__device__ __forceinline__ void pc_zero_raw(PcRaw<E>& r) {
+#pragma unroll
+  for (int i = 0; i < PcRaw<E>::N; ++i) {
+    r.w[i] = 0u;
   }
 }
 
-// VEC int8 values of an 8-bit pool's row in one 8-byte load, as fp32 (unscaled).
-__device__ __forceinline__ void pc_load_vec(const int8_t* p, float (&o)[PC_VEC]) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
-  int8_t h[PC_VEC];
-  memcpy(h, &raw, sizeof(raw));
+// The VEC elements as fp32 (fp16 / bf16 / fp32 rows).
+template <typename E>
+__device__ __forceinline__ void pc_unpack(const PcRaw<E>& r, float (&o)[PC_VEC]) {
+  E h[PC_VEC];
+  memcpy(h, r.w, sizeof(h));
+#pragma unroll
   for (int i = 0; i < PC_VEC; ++i) {
-    o[i] = float(h[i]);
+    o[i] = pc_f32(h[i]);
+  }
+}
+
+// An 8-bit pool's VEC int8 values as fp32 (unscaled), without I2F (a quarter-rate conversion):
+// byte x ^ 0x80 is x + 128 as an unsigned byte; one byte permute puts it under the exponent of
+// 2^23, so the float is 2^23 + x + 128, exactly; one add subtracts 2^23 + 128.
+__device__ __forceinline__ void pc_unpack(const PcRaw<int8_t>& r, float (&o)[PC_VEC]) {
+#pragma unroll
+  for (int i = 0; i < PC_VEC; ++i) {
+    const uint32_t w = r.w[i / 4];
+    o[i] = __uint_as_float(__byte_perm(w ^ 0x80808080u, 0x4B000000u, 0x7540 + i % 4)) - 8388736.0f;
   }
 }
 
@@ -89,11 +118,17 @@ __device__ __forceinline__ void pc_load_vec(const int8_t* p, float (&o)[PC_VEC])
 //   grid (32 * NW * P, KVH, B * ceil(L / QT)) threads, block (32 * NW, 1, 1)
 //   paged_attention_q8 (PC_KV8): k_pool, v_pool int8; k_scales, v_scales [NB, BS, KVH] __half
 //   after v_pool.
-// Work split: a warp is TPW lane groups of TPT lanes; a group takes one token of the block at a
-// time, its lane `sub` holds head-dim elements [sub * VEC, sub * VEC + VEC) (16-byte loads, a
-// row read by the group in one coalesced access), q.k is a log2(TPT)-step xor reduction inside
-// the group. Each group keeps its own fp32 online softmax (max, sum, output) per row over the
-// tokens it saw; the groups of a warp are merged with shuffles, the warps through shared memory.
+// Work split: a warp is TPW lane groups of TPT lanes; its lane `sub` holds head-dim elements
+// [sub * VEC, sub * VEC + VEC) of a row (16-byte loads, 8-byte for int8: a row read by the group
+// in one coalesced access). The warp walks its KV blocks in steps of STEP = TPW * NT tokens (a
+// whole block at the 8B shape); in a step a group takes NT tokens (grp, grp + TPW, ...), and
+// every lane issues all of the step's K and V loads before it needs the first, into raw
+// registers (PcRaw), converted only when used. Software pipeline: V of step i is loaded while
+// the scores of step i are computed from K (loaded during step i - 1), K of step i + 1 while
+// the softmax and p.v of step i run. q.k is a log2(TPT)-step xor reduction inside the group.
+// Each group keeps its own fp32 online softmax (max, sum, output) per row over its tokens, with
+// ONE max / rescale per step and row (not per token); the groups of a warp are merged with
+// shuffles at the end, the warps through shared memory.
 #if PC_KV8
 using KV = int8_t;  // an 8-bit pool: the element is q * (its slot's, its KV head's) scale
 #else
@@ -106,9 +141,24 @@ constexpr int USED = D / VEC;  // lanes of a group holding elements (8, 10, 12, 
 constexpr int TPT = USED <= 8 ? 8 : 16;  // lanes per token (a power of two)
 constexpr int TPW = WARP / TPT;  // tokens a warp works on at once
 constexpr int R = QT * G;  // rows of this block: row r = query token r / G, head r % G
+// Tokens per lane per step: registers hold NT raw K and V rows (<= 32 words each) and R * NT
+// scores (<= 32), and a step stays inside one KV block.
+// At the 8B shape (R = 4, bf16 or int8, BS 16): NT = 8, a step is the whole block (8 KB of
+// bf16 K and V per warp in flight), ~250 registers (ptxas, sm_90), 2 blocks of 4 warps per SM.
+#ifdef PC_NT
+constexpr int NT_MAX = PC_NT;  // a power of two; scripts/gpu/kv8_attention.py --step-tokens
+#else
+constexpr int NT_RAW = sizeof(KV) == 4 ? 4 : 8;
+constexpr int NT_ROWS = R <= 4 ? 8 : (R <= 8 ? 4 : 2);
+constexpr int NT_MAX = NT_RAW < NT_ROWS ? NT_RAW : NT_ROWS;
+#endif
+constexpr int NT = BS / TPW < NT_MAX ? BS / TPW : NT_MAX;
+constexpr int STEP = TPW * NT;  // tokens per step of a warp (divides BS)
+constexpr int SPB = BS / STEP;  // steps per KV block
 constexpr float NEG = -1.0e30f;  // finite "minus infinity": no inf arithmetic under fast math
 static_assert(D % VEC == 0 && USED <= 16, "head dim: a multiple of 8, at most 128");
 static_assert(BS % TPW == 0 && BS <= WARP, "block size");
+static_assert(BS % STEP == 0 && NT >= 1, "a step lies inside one KV block");
 static_assert(PART % BS == 0, "a partition holds whole blocks");
 static_assert(NW >= 1 && NW * WARP <= 1024, "block size");
 static_assert(QT >= 1 && (QT == 1 || PART == 0), "prefill rows are never split");
@@ -181,60 +231,157 @@ const KV* k_head = k_pool + size_t(kvh) * D + sub * VEC;
 const KV* v_head = v_pool + size_t(kvh) * D + sub * VEC;
 const int* table = block_tables + size_t(b) * MB;
 
-for (int base = blk_begin + warp; base < blk_end; base += WARP * NW) {
-  // This warp's next blocks are base, base + NW, ...: lane j reads the table entry of the j-th
-  // (one coalesced read, each entry read once) and __shfl_sync hands it out.
-  const int my_blk = base + lane * NW;
-  const int my_entry = my_blk < blk_end ? table[my_blk] : 0;
-  const int nblk = min(WARP, (blk_end - base + NW - 1) / NW);
-  for (int j = 0; j < nblk; ++j) {
-    const int blk = base + j * NW;
-    const int phys = __shfl_sync(FULL, my_entry, j);
-    const int tok0 = blk * BS;
-    const int ntok = min(BS, tok_end - tok0);
-    const KV* kb = k_head + size_t(phys) * blk_stride;
-    const KV* vb = v_head + size_t(phys) * blk_stride;
-#pragma unroll
-    for (int t0 = 0; t0 < BS; t0 += TPW) {
-      const int t = t0 + grp;  // this group's token of the block
-      const bool live = t < ntok && holds;
-      float kr[VEC];
-      float vr[VEC];
-      if (live) {
-        pc_load_vec(kb + t * tok_stride, kr);
-        pc_load_vec(vb + t * tok_stride, vr);
+// This warp's KV blocks are blk_begin + warp + NW * n, n < nblk: SPB steps each.
+const int nblk = blk_end - blk_begin > warp ? (blk_end - blk_begin - warp + NW - 1) / NW : 0;
+const int nsteps = nblk * SPB;
+
+// The step whose K is loaded (or in flight): its physical block, its first token's position in
+// the sequence and its first slot in the block. Lane j holds the table entry of the warp's
+// block 32 * chunk + j (one coalesced read, each entry read once); __shfl_sync hands it out.
+int my_entry = 0;
+int nx_phys = 0;
+int nx_tok = 0;
+int nx_slot0 = 0;
+PcRaw<KV> kw[NT];  // raw K of that step: token grp + TPW * j of the step
 #if PC_KV8
-        const size_t slot = (size_t(phys) * BS + t) * KVH + kvh;  // this token's scales
-        const float ks = pc_f32(k_scales[slot]);
-        const float vs = pc_f32(v_scales[slot]);
-        for (int i = 0; i < VEC; ++i) {
-          kr[i] *= ks;
-          vr[i] *= vs;
-        }
+float ksc[NT];  // their K scales
+// The scale slot of token t of physical block phys, for this KV head.
+auto scale_slot = [&](int phys, int t) -> size_t { return (size_t(phys) * BS + t) * KVH + kvh; };
 #endif
-      } else {
-        for (int i = 0; i < VEC; ++i) {
-          kr[i] = 0.0f;
-          vr[i] = 0.0f;
-        }
+// Locates step st and issues its K loads.
+auto fetch_k = [&](int st) {
+  const int n = st / SPB;
+  const int c = st - n * SPB;
+  if (c == 0 && (n & (WARP - 1)) == 0) {  // a new chunk of 32 table entries
+    const int mine = n + lane;
+    my_entry = mine < nblk ? table[blk_begin + warp + mine * NW] : 0;
+  }
+  const int j = n & (WARP - 1);
+  const int phys = __shfl_sync(FULL, my_entry, j);
+  nx_phys = phys;
+  nx_slot0 = c * STEP;
+  nx_tok = (blk_begin + warp + n * NW) * BS + nx_slot0;
+  const KV* kb = k_head + size_t(phys) * blk_stride;
+#pragma unroll
+  for (int jt = 0; jt < NT; ++jt) {
+    const int t = nx_slot0 + grp + TPW * jt;  // slot in the block
+    if (holds && nx_tok + grp + TPW * jt < tok_end) {
+      pc_load_raw(kb + t * tok_stride, kw[jt]);
+    } else {
+      pc_zero_raw(kw[jt]);
+    }
+#if PC_KV8
+    ksc[jt] = nx_tok + grp + TPW * jt < tok_end ? pc_f32(k_scales[scale_slot(phys, t)]) : 0.0f;
+#endif
+  }
+};
+
+if (nsteps > 0) {
+  fetch_k(0);
+}
+for (int st = 0; st < nsteps; ++st) {
+  const int phys = nx_phys;
+  const int tok = nx_tok;  // position of the step's first token
+  const int slot0 = nx_slot0;
+
+  // V of this step: issued before the scores need K.
+  PcRaw<KV> vw[NT];
+#if PC_KV8
+  float vsc[NT];
+#endif
+  const KV* vb = v_head + size_t(phys) * blk_stride;
+#pragma unroll
+  for (int jt = 0; jt < NT; ++jt) {
+    const int t = slot0 + grp + TPW * jt;
+    if (holds && tok + grp + TPW * jt < tok_end) {
+      pc_load_raw(vb + t * tok_stride, vw[jt]);
+    } else {
+      pc_zero_raw(vw[jt]);
+    }
+#if PC_KV8
+    vsc[jt] = tok + grp + TPW * jt < tok_end ? pc_f32(v_scales[scale_slot(phys, t)]) : 0.0f;
+#endif
+  }
+
+  // Scores of the step's NT tokens (of this group) for every row, reduced in the group.
+  float s[R][NT];
+#pragma unroll
+  for (int jt = 0; jt < NT; ++jt) {
+    float kr[VEC];
+    pc_unpack(kw[jt], kr);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float d = 0.0f;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        d += qv[r][i] * kr[i];
       }
-      for (int r = 0; r < R; ++r) {
-        float s = 0.0f;
-        for (int i = 0; i < VEC; ++i) {
-          s += qv[r][i] * kr[i];
-        }
-        for (int o = TPT / 2; o > 0; o >>= 1) {  // the whole warp shuffles: uniform
-          s += __shfl_xor_sync(FULL, s, o);
-        }
-        const bool valid = t < ntok && tok0 + t < lim[r / G];
-        const float m_new = valid ? fmaxf(m[r], s) : m[r];
-        const float alpha = exp2f(m[r] - m_new);  // 1 when the max did not move
-        const float p = valid ? exp2f(s - m_new) : 0.0f;
-        l[r] = l[r] * alpha + p;
-        m[r] = m_new;
-        for (int i = 0; i < VEC; ++i) {
-          acc[r][i] = acc[r][i] * alpha + p * vr[i];
-        }
+      s[r][jt] = d;
+    }
+  }
+#pragma unroll
+  for (int o = TPT / 2; o > 0; o >>= 1) {  // the whole warp shuffles: uniform
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int jt = 0; jt < NT; ++jt) {
+        s[r][jt] += __shfl_xor_sync(FULL, s[r][jt], o);
+      }
+    }
+  }
+#if PC_KV8
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int jt = 0; jt < NT; ++jt) {
+      s[r][jt] *= ksc[jt];  // k = q8 * scale: the scale factors out of the dot product
+    }
+  }
+#endif
+
+  // K of the next step (kw is free): in flight during this step's softmax and p.v.
+  if (st + 1 < nsteps) {
+    fetch_k(st + 1);
+  }
+
+  // Online softmax, once per step and row: the step's max, one rescale, p = 2^(s - max).
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int lim_r = lim[r / G];
+    float m_new = m[r];
+#pragma unroll
+    for (int jt = 0; jt < NT; ++jt) {
+      const int pos = tok + grp + TPW * jt;
+      m_new = pos < tok_end && pos < lim_r ? fmaxf(m_new, s[r][jt]) : m_new;
+    }
+    const float alpha = exp2f(m[r] - m_new);  // 1 when the max did not move
+    m[r] = m_new;
+    l[r] *= alpha;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      acc[r][i] *= alpha;
+    }
+#pragma unroll
+    for (int jt = 0; jt < NT; ++jt) {
+      const int pos = tok + grp + TPW * jt;
+      const float p = pos < tok_end && pos < lim_r ? exp2f(s[r][jt] - m_new) : 0.0f;
+      l[r] += p;
+      s[r][jt] = p;
+    }
+  }
+#pragma unroll
+  for (int jt = 0; jt < NT; ++jt) {
+    float vr[VEC];
+    pc_unpack(vw[jt], vr);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float p = s[r][jt];
+#if PC_KV8
+      p *= vsc[jt];  // v = q8 * scale: the scale folds into the weight
+#endif
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        acc[r][i] += p * vr[i];
       }
     }
   }

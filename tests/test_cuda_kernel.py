@@ -205,8 +205,23 @@ MUTANTS = {
     "missing_syncthreads": ("__syncthreads();", "", MUTANT_DECODE),
     # the running output is not rescaled when the running max grows
     "missing_rescale": (
-        "acc[r][i] = acc[r][i] * alpha + p * vr[i];",
-        "acc[r][i] = acc[r][i] + p * vr[i];",
+        "acc[r][i] *= alpha;",
+        "",
+        MUTANT_DECODE,
+    ),
+    # the running sum is not rescaled when a step raises the running max
+    "sum_not_rescaled": ("l[r] *= alpha;", "", MUTANT_DECODE),
+    # the weights of a step's tokens past the context's end are not zeroed (their K reads as 0)
+    "tail_weights_not_masked": (
+        "const float p = pos < tok_end && pos < lim_r ? exp2f(s[r][jt] - m_new) : 0.0f;",
+        "const float p = exp2f(s[r][jt] - m_new);",
+        MUTANT_DECODE,
+    ),
+    # the software pipeline runs ahead: the next step's K overwrites this step's before the
+    # scores read it
+    "k_prefetch_too_early": (
+        "  // Scores of the step's NT tokens",
+        "  if (st + 1 < nsteps) {\n    fetch_k(st + 1);\n  }\n  // Scores of the step's NT tokens",
         MUTANT_DECODE,
     ),
     # the last, partially filled block of each partition is skipped

@@ -201,22 +201,29 @@ MUTANT_PREFILL = PrefillCase(4, 2, 64, 16, mx.float32, context=100, chunk=20, wa
 
 CUDA_MUTANTS = {
     # the scale of KV head 0 for every head
-    "scale_of_head_0": ("const size_t slot = (size_t(phys) * BS + t) * KVH + kvh;",
-                        "const size_t slot = (size_t(phys) * BS + t) * KVH;", MUTANT_CASE),
+    "scale_of_head_0": ("return (size_t(phys) * BS + t) * KVH + kvh;",
+                        "return (size_t(phys) * BS + t) * KVH;", MUTANT_CASE),
     # the block's first slot's scale for every token of the block (a per-block scale)
     "scale_of_the_blocks_first_slot": (
-        "const size_t slot = (size_t(phys) * BS + t) * KVH + kvh;",
-        "const size_t slot = size_t(phys) * BS * KVH + kvh;", MUTANT_CASE),
+        "return (size_t(phys) * BS + t) * KVH + kvh;",
+        "return size_t(phys) * BS * KVH + kvh;", MUTANT_CASE),
     # int8 read as unsigned: values offset by 256 below zero, as a missing zero point would
-    "int8_read_as_unsigned": ("  int8_t h[PC_VEC];", "  uint8_t h[PC_VEC];", MUTANT_CASE),
+    "int8_read_as_unsigned": (
+        "__byte_perm(w ^ 0x80808080u, 0x4B000000u, 0x7540 + i % 4)) - 8388736.0f",
+        "__byte_perm(w, 0x4B000000u, 0x7540 + i % 4)) - 8388608.0f", MUTANT_CASE),
     # the V scale never applied
-    "v_scale_dropped": ("          vr[i] *= vs;\n", "", MUTANT_CASE),
+    "v_scale_dropped": ("      p *= vsc[jt];  // v = q8 * scale: the scale folds into the weight\n",
+                        "", MUTANT_CASE),
+    # the K scale never applied
+    "k_scale_dropped": (
+        "      s[r][jt] *= ksc[jt];  // k = q8 * scale: the scale factors out of the dot product\n",
+        "", MUTANT_CASE),
     # K's scale used for V
-    "k_scale_for_v": ("const float vs = pc_f32(v_scales[slot]);",
-                      "const float vs = pc_f32(k_scales[slot]);", MUTANT_CASE),
+    "k_scale_for_v": ("pc_f32(v_scales[scale_slot(phys, t)])",
+                      "pc_f32(k_scales[scale_slot(phys, t)])", MUTANT_CASE),
     # the prefill chunk reads the scales of head 0 (prefill shares the load path)
-    "prefill_scale_of_head_0": ("const size_t slot = (size_t(phys) * BS + t) * KVH + kvh;",
-                                "const size_t slot = (size_t(phys) * BS + t) * KVH;",
+    "prefill_scale_of_head_0": ("return (size_t(phys) * BS + t) * KVH + kvh;",
+                                "return (size_t(phys) * BS + t) * KVH;",
                                 MUTANT_PREFILL),
 }
 METAL_MUTANTS = {

@@ -36,6 +36,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <source_location>
 
 #define CUDA_EMU 1
@@ -114,5 +115,25 @@ inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// Bit casts and PRMT: result byte n = byte ((s >> 4n) & 7) of the 8 bytes {y, x} (x low).
+inline float __uint_as_float(unsigned x) {
+  float f;
+  std::memcpy(&f, &x, sizeof(f));
+  return f;
+}
+inline float __int_as_float(int x) { return __uint_as_float(unsigned(x)); }
+inline unsigned __float_as_uint(float x) {
+  unsigned u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+}
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t bytes = (uint64_t(y) << 32) | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) {
+    r |= unsigned((bytes >> (8 * ((s >> (4 * n)) & 7u))) & 0xFFu) << (8 * n);
+  }
+  return r;
+}
 
 #endif  // CUDA_EMU_H
