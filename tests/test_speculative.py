@@ -325,11 +325,10 @@ def test_an_overlapped_sequence_that_stopped_drafting_still_probes():
     for _ in range(4):  # plain steps of one row 10 ms, a step with one draft 16.7 ms
         speculator.cost.observe(0.010, decode_rows=1, draft_rows=0)
     speculator.cost.observe(0.0167, decode_rows=1, draft_rows=1)
+    assert speculator.cost.threshold() > 0.5  # above a new sequence's prior of one in three
     reply = list(range(40, 90))
     speculator.forget(sibling(1, reply))  # the reply being regenerated, kept as drafts
     seq = sibling(2, reply[:1])
-    # priced out: a new sequence's prior (one in three) does not pay a 6.7 ms drafting step
-    assert speculator.draft_length(speculator._state(seq)) == 0
     on_host = True  # a new sequence's first step is read before the next one is planned
     drafted_at = []
     while seq.num_generated < len(reply) - 1:
@@ -441,39 +440,3 @@ def test_a_step_slowed_by_the_machine_is_not_read_as_the_price_of_drafts():
         else:
             cost.observe(0.070 + jitter + spike, decode_rows=3, draft_rows=0)
     assert cost.threshold() == pytest.approx(4 * 3 / 70, rel=0.25)
-
-
-def test_the_switch_and_the_row_are_told_apart():
-    """A drafting step pays a switch (on a GPU the overlap it gives up, on the CPU the verify
-    chunk's prefill path) and then a little per draft row. Plain steps of 3 rows take 70 ms;
-    drafting steps of 1, 4 and 8 rows take 12 ms + 4 ms a row more, with jitter and a few
-    steps slowed by another process (1 s): the fit must read both parts."""
-    rng = np.random.default_rng(1)
-    cost = StepCost()
-    for i in range(60):
-        spike = 1.0 if i % 13 == 5 else 0.0
-        jitter = float(rng.normal(0, 0.002))
-        k = (0, 1, 0, 4, 0, 8)[i % 6]
-        extra = 0.012 + 0.004 * k if k else 0.0
-        cost.observe(0.070 + extra + jitter + spike, decode_rows=3, draft_rows=k)
-    assert cost.row_s == pytest.approx(0.004, rel=0.25)
-    assert cost.switch_s == pytest.approx(0.012, rel=0.35)
-    assert cost.price(4) == pytest.approx(0.028, rel=0.2)
-
-
-def test_a_probe_priced_as_one_row_does_not_price_out_longer_drafts():
-    """Only one-draft probes measured so far, each 16 ms over a 70 ms step of 3 rows: 12 ms
-    of switch and 4 ms of row, which they cannot tell apart. Read as one row's price (the
-    linear rule as first built) a row then had to add 0.69 tokens, and a sequence keeping 60%
-    of its drafts never drafted; read as the prior row share plus a switch, it drafts 3
-    (expected 1.18 tokens against the switch's 0.54)."""
-    speculator = Speculator(max_draft=8)
-    for _ in range(4):
-        speculator.cost.observe(0.070, decode_rows=3, draft_rows=0)
-    for _ in range(4):
-        speculator.cost.observe(0.086, decode_rows=3, draft_rows=1)
-    state = speculator._state(sibling(4, [40]))
-    state.accepted, state.trials = 0.6, 1.0
-    assert speculator.draft_length(state) == 3
-    state.accepted = 0.3  # 0.3 + 0.09 + ... does not pay the switch
-    assert speculator.draft_length(state) == 0

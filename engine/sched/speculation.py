@@ -24,22 +24,15 @@ rescan.
 **Adaptive length.** A draft of ``k`` tokens costs the step ``k`` more rows; it pays when
 the tokens it is expected to add beat what that compute would give the batch otherwise.
 With a per-token acceptance ``a`` (the sequence's recent rate, decayed), the j-th draft
-adds ``a**j`` expected tokens. A step with ``k`` draft rows costs ``s + c * k`` seconds
-more than one without: ``s`` the switch (on a GPU the drafting step gives up the overlap; on
-the CPU the verify chunk takes the prefill path and gathers its context), ``c`` a row
-(measured: the steps with drafts against those without, medians of the last 16 of each,
-:class:`StepCost`); the step makes ``N / T`` tokens per second (N decode rows in T seconds).
-So the j-th draft is worth it while ``a**j > c * N / T``, ``k`` is the largest such j, and
-the drafting step as a whole while its expected tokens ``a + ... + a**k`` exceed
-``s * N / T`` (else ``k`` is 0: the sequence stops drafting; it probes with one draft once
-``PROBE_EVERY`` tokens have passed since its last draft, to notice when its text turns
-repetitive). A cost linear in the rows, as first built, priced a probe's whole switch as
-one row, which then made every longer draft look as dear per row.
-
-The probe's clock counts the sequence's tokens, not the steps that consulted the
-speculator: an overlapped step (a GPU) never consults it for a sequence whose newest token
-is still on the device, so a clock of consultations stopped for good once a sequence
-stopped drafting there.
+adds ``a**j`` expected tokens; a row costs ``c`` seconds (measured: the steps with drafts
+against those without, medians of the last 16 of each, :class:`StepCost`); the step makes
+``N / T`` tokens per second (N decode rows in T seconds). So the j-th draft is worth it
+while ``a**j > c * N / T``, and ``k`` is the largest such j (0: the sequence stops
+drafting; it probes with one draft once ``PROBE_EVERY`` tokens have passed since its last
+draft, to notice when its text turns repetitive). The probe's clock counts the sequence's
+tokens, not the steps that consulted the speculator: an overlapped step (a GPU) never
+consults it for a sequence whose newest token is still on the device, so a clock of
+consultations stopped for good once a sequence stopped drafting there.
 
 **The host token's price.** Overlapped, a step launched while the previous one runs cannot
 draft: its drafts follow a token still on the device. So a sequence that may draft asks for
@@ -160,28 +153,23 @@ class PastReply:
 
 
 class StepCost:
-    """What drafting costs a step of decodes, ``switch_s + row_s * k`` for ``k`` draft rows,
-    and what such a step yields, measured from the steps themselves (steps that read prompt
-    tokens are left out).
+    """What one more fed row costs a step of decodes, and what such a step yields, measured
+    from the steps themselves (steps that read prompt tokens are left out).
 
     Medians of the last ``WINDOW`` steps, not running means: one step slowed by something
     else on the machine (another process, a page fault) would otherwise read as the price
     of its drafts, and drafting, once priced out, measures no more drafting steps to learn
-    better (a busy 2-core machine showed thresholds above 1: no draft could ever pay). The
-    row's cost is the median slope between drafting steps with different numbers of draft
-    rows; while every drafting step had as many rows (probes of one draft) it stays what it
-    was, or the prior share of a decode step, and the rest is the switch."""
+    better (a busy 2-core machine showed thresholds above 1: no draft could ever pay)."""
 
     WINDOW = 16
 
     def __init__(self) -> None:
         self._plain: deque[float] = deque(maxlen=self.WINDOW)  # steps of decodes, no drafts
         self._rows: deque[int] = deque(maxlen=self.WINDOW)  # their decode rows
-        self._drafting: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)  # (k, extra s)
+        self._extra: deque[float] = deque(maxlen=self.WINDOW)  # per draft row, over plain
         self.plain_s: float | None = None
         self.rows: float | None = None
         self.row_s: float | None = None
-        self.switch_s = 0.0
 
     def observe(self, step_s: float, decode_rows: int, draft_rows: int) -> None:
         if draft_rows == 0:
@@ -190,46 +178,15 @@ class StepCost:
             self.plain_s = statistics.median(self._plain)
             self.rows = statistics.median(self._rows)
         elif self.plain_s is not None:
-            self._drafting.append((draft_rows, max(step_s - self.plain_s, 0.0)))
-            self._fit()
-
-    def _fit(self) -> None:
-        """Theil-Sen: the row is the median slope over pairs of drafting steps with different
-        rows (robust to a few slowed steps), the switch the median of what is left."""
-        obs = list(self._drafting)
-        slopes = [(e2 - e1) / (k2 - k1) for i, (k1, e1) in enumerate(obs)
-                  for k2, e2 in obs[i + 1:] if k2 != k1]
-        if slopes:
-            self.row_s = max(statistics.median(slopes), 0.0)
-        row_s = self._row_s()
-        self.switch_s = max(statistics.median(e - row_s * k for k, e in self._drafting), 0.0)
-
-    def _row_s(self) -> float:
-        if self.row_s is not None:
-            return self.row_s
-        return PRIOR_ROW_SHARE * (self.plain_s or 0.0)
-
-    def step_s(self) -> float:
-        """Seconds per token the batch makes without drafts, ``T / N``."""
-        if self.plain_s is None or not self.rows:
-            return 0.0
-        return self.plain_s / self.rows
+            self._extra.append(max(step_s - self.plain_s, 0.0) / draft_rows)
+            self.row_s = statistics.median(self._extra)
 
     def threshold(self) -> float:
         """``c * N / T``: the expected tokens a draft row must add to pay for itself."""
-        per_token = self.step_s()
-        if not per_token:
+        if self.plain_s is None or not self.rows:
             return PRIOR_ROW_SHARE
-        return self._row_s() / max(per_token, 1e-9)
-
-    def switch_threshold(self) -> float:
-        """``s * N / T``: the expected tokens a drafting step must add to pay its switch."""
-        per_token = self.step_s()
-        return self.switch_s / per_token if per_token else 0.0
-
-    def price(self, draft_rows: int) -> float:
-        """Seconds ``draft_rows`` draft rows add to a step (0 rows: nothing)."""
-        return self.switch_s + self._row_s() * draft_rows if draft_rows else 0.0
+        row_s = self.row_s if self.row_s is not None else PRIOR_ROW_SHARE * self.plain_s
+        return row_s * self.rows / max(self.plain_s, 1e-9)
 
 
 class Speculator:
@@ -293,18 +250,14 @@ class Speculator:
         return drafts[:max(k, 1)]  # k == 0: a probe of one draft (is the text repetitive?)
 
     def draft_length(self, state: DraftState) -> int:
-        """The largest j with ``a**j > threshold`` (capped at ``max_draft``), or 0 when the
-        tokens those drafts are expected to add do not pay for the drafting step's switch."""
+        """The largest j with ``a**j > threshold`` (capped at ``max_draft``)."""
         a = state.acceptance
         gamma = self.cost.threshold()
         if a <= gamma or a <= 0.0:
             return 0
         if a >= 1.0 or gamma <= 0.0:
-            k = self.max_draft
-        else:
-            k = max(0, min(self.max_draft, int(math.log(gamma) / math.log(a))))
-        expected = k if a >= 1.0 else a * (1.0 - a**k) / (1.0 - a)  # a + a**2 + ... + a**k
-        return k if expected > self.cost.switch_threshold() else 0
+            return self.max_draft
+        return max(0, min(self.max_draft, int(math.log(gamma) / math.log(a))))
 
     def _lookup(self, seq: Sequence, state: DraftState, limit: int) -> list[int]:
         """The continuation of the longest suffix n-gram matched in ``seq``'s own context
