@@ -143,13 +143,15 @@ constexpr int TPW = WARP / TPT;  // tokens a warp works on at once
 constexpr int R = QT * G;  // rows of this block: row r = query token r / G, head r % G
 // Tokens per lane per step: registers hold NT raw K and V rows (<= 32 words each) and R * NT
 // scores (<= 32), and a step stays inside one KV block.
-// At the 8B shape (R = 4, bf16 or int8, BS 16): NT = 8, a step is the whole block (8 KB of
-// bf16 K and V per warp in flight), ~250 registers (ptxas, sm_90), 2 blocks of 4 warps per SM.
+// At the 8B shape (R = 4, bf16 or int8, BS 16): NT = 4, a step is half a block. Measured on the
+// H200 (bench/results/kv8.md, 64 x 2048 tokens): NT = 4 takes 0.89x NT = 8's time in 16 bits and
+// 0.84x in 8 bits: NT = 8 (~250 registers, 2 blocks of 4 warps per SM) loses more occupancy than
+// its deeper pipeline buys.
 #ifdef PC_NT
 constexpr int NT_MAX = PC_NT;  // a power of two; scripts/gpu/kv8_attention.py --step-tokens
 #else
 constexpr int NT_RAW = sizeof(KV) == 4 ? 4 : 8;
-constexpr int NT_ROWS = R <= 4 ? 8 : (R <= 8 ? 4 : 2);
+constexpr int NT_ROWS = R <= 8 ? 4 : 2;
 constexpr int NT_MAX = NT_RAW < NT_ROWS ? NT_RAW : NT_ROWS;
 #endif
 constexpr int NT = BS / TPW < NT_MAX ? BS / TPW : NT_MAX;
