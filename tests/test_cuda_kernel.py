@@ -220,8 +220,9 @@ MUTANTS = {
     # the software pipeline runs ahead: the next step's K overwrites this step's before the
     # scores read it
     "k_prefetch_too_early": (
-        "  // Scores of the step's NT tokens",
-        "  if (st + 1 < nsteps) {\n    fetch_k(st + 1);\n  }\n  // Scores of the step's NT tokens",
+        "    // Scores of the step's NT tokens",
+        "    if (st + 1 < nsteps) {\n      fetch_k(st + 1);\n    }\n"
+        "    // Scores of the step's NT tokens",
         MUTANT_DECODE,
     ),
     # the last, partially filled block of each partition is skipped

@@ -51,6 +51,9 @@ DECODE_CASES = [
     Case(4, 1, 96, 32, mx.float32, split=False, simdgroups=2),
     Case(3, 2, 128, 8, mx.float16, split=False, lens=(20,)),
     Case(4, 2, 128, 16, mx.bfloat16, split=True, lens=(4096, 1, 333)),
+    # more than 8 query heads per KV head: the tensor-core path's rows g + 8 (CUDA)
+    Case(12, 1, 128, 16, mx.bfloat16, split=False),
+    Case(16, 1, 64, 32, mx.float32, split=True),
 ]
 PREFILL_CASES = [
     PrefillCase(4, 2, 64, 16, mx.float32, context=300, chunk=64),
@@ -197,35 +200,70 @@ def check_cuda(case, plan, results) -> None:
 # ---- planted bugs ---------------------------------------------------------------------------
 
 MUTANT_CASE = Case(3, 2, 64, 16, mx.float32, split=True, simdgroups=2)  # KVH > 1, both kernels
+# CUDA decodes MUTANT_CASE on the tensor cores (pc_tc_warp); its SIMT body's 8-bit loads are
+# planted in a head dim the tensor-core path does not take.
+MUTANT_SIMT = Case(3, 2, 80, 16, mx.float32, split=True, simdgroups=2)
+MUTANT_TC_BF16 = Case(12, 1, 128, 16, mx.bfloat16, split=False)  # rows g + 8, fp16-exact q
 MUTANT_PREFILL = PrefillCase(4, 2, 64, 16, mx.float32, context=100, chunk=20, warps=2)
 
 CUDA_MUTANTS = {
     # the scale of KV head 0 for every head
     "scale_of_head_0": ("return (size_t(phys) * BS + t) * KVH + kvh;",
-                        "return (size_t(phys) * BS + t) * KVH;", MUTANT_CASE),
+                        "return (size_t(phys) * BS + t) * KVH;", MUTANT_SIMT),
     # the block's first slot's scale for every token of the block (a per-block scale)
     "scale_of_the_blocks_first_slot": (
         "return (size_t(phys) * BS + t) * KVH + kvh;",
-        "return size_t(phys) * BS * KVH + kvh;", MUTANT_CASE),
+        "return size_t(phys) * BS * KVH + kvh;", MUTANT_SIMT),
     # int8 read as unsigned: values offset by 256 below zero, as a missing zero point would
     "int8_read_as_unsigned": (
         "__byte_perm(w ^ 0x80808080u, 0x4B000000u, 0x7540 + i % 4)) - 8388736.0f",
-        "__byte_perm(w, 0x4B000000u, 0x7540 + i % 4)) - 8388608.0f", MUTANT_CASE),
+        "__byte_perm(w, 0x4B000000u, 0x7540 + i % 4)) - 8388608.0f", MUTANT_SIMT),
     # the V scale never applied
-    "v_scale_dropped": ("      p *= vsc[jt];  // v = q8 * scale: the scale folds into the weight\n",
-                        "", MUTANT_CASE),
+    "v_scale_dropped": (
+        "        p *= vsc[jt];  // v = q8 * scale: the scale folds into the weight\n", "",
+        MUTANT_SIMT),
     # the K scale never applied
     "k_scale_dropped": (
-        "      s[r][jt] *= ksc[jt];  // k = q8 * scale: the scale factors out of the dot product\n",
-        "", MUTANT_CASE),
+        "        s[r][jt] *= ksc[jt];  // k = q8 * scale: the scale factors out of the dot"
+        " product\n", "", MUTANT_SIMT),
     # K's scale used for V
     "k_scale_for_v": ("pc_f32(v_scales[scale_slot(phys, t)])",
-                      "pc_f32(k_scales[scale_slot(phys, t)])", MUTANT_CASE),
+                      "pc_f32(k_scales[scale_slot(phys, t)])", MUTANT_SIMT),
     # the prefill chunk reads the scales of head 0 (prefill shares the load path)
     "prefill_scale_of_head_0": ("return (size_t(phys) * BS + t) * KVH + kvh;",
                                 "return (size_t(phys) * BS + t) * KVH;",
                                 MUTANT_PREFILL),
+    # ---- the tensor-core decode (pc_tc_warp) ----
+    # the scales of KV head 0 for every head
+    "tc_scales_of_head_0": ("const size_t sbase = (size_t(phys) * BS + slot0) * KVH + kvh;",
+                            "const size_t sbase = (size_t(phys) * BS + slot0) * KVH;",
+                            MUTANT_CASE),
+    # int8 read as unsigned (no re-centring by 128 before the fp16 exponent trick)
+    "tc_int8_read_as_unsigned": (
+        "const uint32_t biased = ((x ^ 0x64806480u) & 0x00FF00FFu) | 0x64006400u;",
+        "const uint32_t biased = (x & 0x00FF00FFu) | 0x64006400u;", MUTANT_CASE),
+    # the V scale never applied to the weights
+    "tc_v_scale_dropped": ("pw[hf][i] = p * vs[v] * to_fp16;", "pw[hf][i] = p * to_fp16;",
+                           MUTANT_CASE),
+    # the K scale never applied to the scores
+    "tc_k_scale_dropped": ("s[hf][i] * row_sc[h] * ks[v] : NEG;", "s[hf][i] * row_sc[h] : NEG;",
+                           MUTANT_CASE),
+    # the weights' low fp16 parts dropped (p rounded to fp16 once)
+    "tc_low_weight_part_dropped": ("      pc_mma(acc[j], pa_lo, b);\n", "", MUTANT_CASE),
+    # the accumulator's power of two not carried from tile to tile
+    "tc_exponent_not_carried": ("rescale[h] = alpha * pc_exp2i(new_exp - acc_exp);",
+                                "rescale[h] = alpha;", MUTANT_CASE),
+    # K's two column pairs swapped: q.k pairs head-dim elements that differ
+    "tc_k_columns_swapped": ("pc_i8x2_h2(__byte_perm(w, 0u, 0x0100)),",
+                             "pc_i8x2_h2(__byte_perm(w, 0u, 0x0302)),", MUTANT_CASE),
+    # each lane of a quad keeps its own running max (the row's max is not shared)
+    "tc_row_max_not_shared": (
+        "      m_tile[0] = fmaxf(m_tile[0], __shfl_xor_sync(0xffffffffu, m_tile[0], o));\n",
+        "", MUTANT_CASE),
+    # rows g + 8 (heads 8..15 of the group) never rescaled when their max grows
+    "tc_high_rows_not_rescaled": ("        acc[j][2] *= rescale[1];\n", "", MUTANT_TC_BF16),
 }
+
 METAL_MUTANTS = {
     "scale_of_head_0": (
         "const float ks = float(k_scales[(size_t(phys) * BS + t) * KVH + kvh]);",
@@ -265,7 +303,7 @@ def prebuilt():
     for case in [*DECODE_CASES, MUTANT_CASE]:
         sources += gen.plan_sources(plan_metal(case))
         sources += cgen.plan_sources(plan_cuda(case))
-    for case in [*PREFILL_CASES, MUTANT_PREFILL]:
+    for case in [*PREFILL_CASES, MUTANT_PREFILL, MUTANT_SIMT, MUTANT_TC_BF16]:
         sources += cgen.plan_sources(plan_cuda(case))
     for name in METAL_MUTANTS:
         sources += gen.plan_sources(plan_metal(MUTANT_CASE, metal_mutant(name)))
@@ -298,7 +336,7 @@ def test_emulated_cuda_q8_prefill(prebuilt, case):
 @needs_gxx
 def test_mutant_cases_pass_unmutated(prebuilt):
     check_decode(MUTANT_CASE, plan_metal(MUTANT_CASE), gen.run_plan(plan_metal(MUTANT_CASE)))
-    for case in (MUTANT_CASE, MUTANT_PREFILL):
+    for case in (MUTANT_CASE, MUTANT_SIMT, MUTANT_TC_BF16, MUTANT_PREFILL):
         plan = plan_cuda(case)
         check_cuda(case, plan, cgen.run_plan(plan))
 

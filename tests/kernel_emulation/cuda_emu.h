@@ -21,8 +21,13 @@
 //
 // NOT MODELLED (beyond metal_emu.h's list): the shuffle mask (every call must be made by the
 // whole warp in uniform control flow, which is what the kernels here do); warp-synchronous
-// programming without __syncwarp; atomics, cooperative-groups objects, tensor cores; the
-// precision of __expf and other fast intrinsics (computed precisely); occupancy and timing.
+// programming without __syncwarp; atomics, cooperative-groups objects; the precision of
+// __expf and other fast intrinsics (computed precisely); occupancy and timing. Tensor cores:
+// only mma.sync m16n8k16 with fp16 inputs and fp32 accumulation, as
+// cuda_emu_mma_m16n8k16_f32_f16 (the kernel's inline PTX has no host form): one collective of
+// the warp with the PTX ISA's fragment layout; products exact, each output's sum of 16
+// products plus its accumulator computed in double and rounded once (the hardware's
+// accumulation order and truncation are not modelled).
 #ifndef CUDA_EMU_H
 #define CUDA_EMU_H
 
@@ -36,7 +41,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <unistd.h>
 #include <source_location>
 
 #define CUDA_EMU 1
@@ -134,6 +141,78 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     r |= unsigned((bytes >> (8 * ((s >> (4 * n)) & 7u))) & 0xFFu) << (8 * n);
   }
   return r;
+}
+
+
+// ---- fp16 pairs (__half2: .x in the low 16 bits, as in cuda_fp16.h) ----
+struct __half2 {
+  __half x, y;
+};
+inline __half2 __floats2half2_rn(float lo, float hi) { return {__half(lo), __half(hi)}; }
+inline __half2 __hsub2(__half2 a, __half2 b) { return {__half(a.x - b.x), __half(a.y - b.y)}; }
+
+// ---- mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32: d = A B + d over the warp ----
+// Lane 4 g + t holds (fp16 pairs, low half first): a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1],
+// a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9]; b[0] = B[2t, 2t+1][g], b[1] =
+// B[2t+8, 2t+9][g]; d[0], d[1] = D[g][2t, 2t+1], d[2], d[3] = D[g+8][2t, 2t+1].
+struct CudaEmuMmaFragments {
+  uint32_t a[4];
+  uint32_t b[2];
+};
+inline float cuda_emu_half_of(uint32_t pair, int hi) {
+  const uint16_t bits = uint16_t(hi ? pair >> 16 : pair & 0xFFFFu);
+  __half h;
+  std::memcpy(&h, &bits, sizeof(h));
+  return float(h);
+}
+inline void cuda_emu_mma_m16n8k16_f32_f16(float (&d)[4], const uint32_t (&a)[4],
+                                          const uint32_t (&b)[2],
+                                          std::source_location loc =
+                                              std::source_location::current()) {
+  CudaEmuMmaFragments mine;
+  std::memcpy(mine.a, a, sizeof(mine.a));
+  std::memcpy(mine.b, b, sizeof(mine.b));
+  struct Out {
+    float d[4];
+    uint32_t pad[2];
+  };
+  static_assert(sizeof(Out) == sizeof(CudaEmuMmaFragments));
+  const CudaEmuMmaFragments got = metal_emu::collective(
+      mine, metal_emu::Op::shuffle, loc,
+      [&d, &loc](auto s, uint32_t mask, unsigned lane) {
+        if (mask != 0xFFFFFFFFu) {
+          std::fprintf(stderr, "metal_emu: error: mma.sync at %s:%u with inactive lanes (the "
+                       "whole warp must take part)\n", loc.file_name(), unsigned(loc.line()));
+          std::fflush(stderr);
+          _exit(3);
+        }
+        auto frag = [&](unsigned src) {
+          return metal_emu::slot_value<CudaEmuMmaFragments>(s, src);
+        };
+        // A[row][k] and B[k][col] from the lanes holding them.
+        auto A = [&](int row, int k) {
+          const int gl = row & 7, reg = (row >> 3) + 2 * (k >> 3), tl = (k & 7) >> 1;
+          return cuda_emu_half_of(frag(unsigned(4 * gl + tl)).a[reg], k & 1);
+        };
+        auto B = [&](int k, int col) {
+          const int reg = k >> 3, tl = (k & 7) >> 1;
+          return cuda_emu_half_of(frag(unsigned(4 * col + tl)).b[reg], k & 1);
+        };
+        const int g = int(lane >> 2), t = int(lane & 3);
+        Out o{};
+        for (int i = 0; i < 4; ++i) {
+          const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+          double acc = d[i];
+          for (int k = 0; k < 16; ++k) {
+            acc += double(A(row, k)) * double(B(k, col));
+          }
+          o.d[i] = float(acc);
+        }
+        CudaEmuMmaFragments r;
+        std::memcpy(&r, &o, sizeof(r));
+        return r;
+      });
+  std::memcpy(d, &got, sizeof(d));
 }
 
 #endif  // CUDA_EMU_H
