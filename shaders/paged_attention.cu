@@ -189,12 +189,23 @@ __device__ __forceinline__ int pc_ilogb(float x) {
   return (e == 0 ? 1 : e) - 127;
 }
 
+// One 16-token tile's raw K / V words and scales in a lane's registers (pc_tc_warp).
+template <int KW, int VW>
+struct PcTcTile {
+  uint32_t kw[2][KW];
+  uint32_t vw[4][VW];
+  float ks[4];
+  float vs[4];
+  int tok0;
+};
+
 // One warp's share of a decode row block on the tensor cores: KV blocks blk_begin + warp +
 // NW n of this partition, tokens [tok_begin, tok_end). Writes the warp's (max, sum) per row
 // (base-2 units) to sm_ml and its unnormalised output rows to sm_acc, as the SIMT body does
 // before the cross-warp merge. q_row: the first of the G rows of this (sequence, KV head, query
-// token), q_stride apart; sc: the softmax scale times log2 e.
-template <typename T, typename KV, int D, int BS, int G, int NW>
+// token), q_stride apart; sc: the softmax scale times log2 e. PREFETCH: the next tile's loads
+// are issued before this tile's MMAs (more registers, fewer warps waiting on memory).
+template <typename T, typename KV, int D, int BS, int G, int NW, bool PREFETCH>
 __device__ __forceinline__ void pc_tc_warp(
     const T* q_row, size_t q_stride, const KV* k_pool, const KV* v_pool, const __half* k_scales,
     const __half* v_scales, const int* table, int KVH, int kvh, int blk_begin, int blk_end,
@@ -274,7 +285,10 @@ __device__ __forceinline__ void pc_tc_warp(
   const int ntiles = nblk * TPB;
   // Lane j holds the table entry of the warp's block 32 c + j; __shfl_sync hands it out.
   int my_entry = 0;
-  for (int it = 0; it < ntiles; ++it) {
+  // Issues tile it's loads: K rows g and g + 8 (DT bytes at DT t), V rows 2t, 2t+1, 2t+8,
+  // 2t+9 (DV bytes at DV g) and the scales of this lane's four token columns 2t, 2t+1 (S half
+  // 0), 2t+8, 2t+9 (S half 1). Warp-uniform (a table shuffle).
+  auto load_tile = [&](int it, PcTcTile<KW, VW>& tile) {
     const int n = it / TPB;
     const int c = it - n * TPB;
     if (c == 0 && (n & 31) == 0) {
@@ -284,12 +298,9 @@ __device__ __forceinline__ void pc_tc_warp(
     const int phys = __shfl_sync(0xffffffffu, my_entry, n & 31);
     const int slot0 = 16 * c;
     const int tok0 = (blk_begin + warp + n * NW) * BS + slot0;  // the tile's first position
+    tile.tok0 = tok0;
     const size_t base = size_t(phys) * blk_stride + size_t(slot0) * tok_stride + size_t(kvh) * D;
     const size_t sbase = (size_t(phys) * BS + slot0) * KVH + kvh;
-
-    // K rows g and g + 8 (DT bytes at DT t), V rows 2t, 2t+1, 2t+8, 2t+9 (DV bytes at DV g).
-    uint32_t kw[2][KW];
-    uint32_t vw[4][VW];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int tk = g + 8 * h;
@@ -298,10 +309,10 @@ __device__ __forceinline__ void pc_tc_warp(
 #pragma unroll
       for (int w = 0; w < KW; w += 4) {
         const uint4 x = ok ? src[w / 4] : uint4{0u, 0u, 0u, 0u};
-        kw[h][w] = x.x;
-        kw[h][w + 1] = x.y;
-        kw[h][w + 2] = x.z;
-        kw[h][w + 3] = x.w;
+        tile.kw[h][w] = x.x;
+        tile.kw[h][w + 1] = x.y;
+        tile.kw[h][w + 2] = x.z;
+        tile.kw[h][w + 3] = x.w;
       }
     }
 #pragma unroll
@@ -311,26 +322,42 @@ __device__ __forceinline__ void pc_tc_warp(
       const KV* src = v_pool + base + tk * tok_stride + DV * g;
       if constexpr (VW == 4) {
         const uint4 x = ok ? *reinterpret_cast<const uint4*>(src) : uint4{0u, 0u, 0u, 0u};
-        vw[v][0] = x.x;
-        vw[v][1] = x.y;
-        vw[v][2] = x.z;
-        vw[v][3] = x.w;
+        tile.vw[v][0] = x.x;
+        tile.vw[v][1] = x.y;
+        tile.vw[v][2] = x.z;
+        tile.vw[v][3] = x.w;
       } else {
         const uint2 x = ok ? *reinterpret_cast<const uint2*>(src) : uint2{0u, 0u};
-        vw[v][0] = x.x;
-        vw[v][1] = x.y;
+        tile.vw[v][0] = x.x;
+        tile.vw[v][1] = x.y;
       }
+      tile.ks[v] = ok ? __half2float(k_scales[sbase + size_t(tk) * KVH]) : 0.0f;
+      tile.vs[v] = ok ? __half2float(v_scales[sbase + size_t(tk) * KVH]) : 0.0f;
     }
-    // This lane's four token columns: 2t, 2t+1 (S half 0), 2t+8, 2t+9 (S half 1).
-    float ks[4];
-    float vs[4];
+  };
+
+  PcTcTile<KW, VW> tile;
+  PcTcTile<KW, VW> next;
+  if (PREFETCH && ntiles > 0) {
+    load_tile(0, next);
+  }
+  for (int it = 0; it < ntiles; ++it) {
+    if constexpr (PREFETCH) {
+      tile = next;
+      if (it + 1 < ntiles) {
+        load_tile(it + 1, next);  // in flight while this tile computes
+      }
+    } else {
+      load_tile(it, tile);
+    }
+    const auto& kw = tile.kw;
+    const auto& vw = tile.vw;
+    const auto& ks = tile.ks;
+    const auto& vs = tile.vs;
     bool valid[4];
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
-      const int tk = 2 * t + (v & 1) + 8 * (v >> 1);
-      valid[v] = tok0 + tk < tok_end;
-      ks[v] = valid[v] ? __half2float(k_scales[sbase + size_t(tk) * KVH]) : 0.0f;
-      vs[v] = valid[v] ? __half2float(v_scales[sbase + size_t(tk) * KVH]) : 0.0f;
+      valid[v] = tile.tok0 + 2 * t + (v & 1) + 8 * (v >> 1) < tok_end;
     }
 
     // S = Q K^T: half hf covers tokens 8 hf .. 8 hf + 7 (B column g = token g + 8 hf).
@@ -512,6 +539,9 @@ static_assert(NW >= 1 && NW * WARP <= 1024, "block size");
 static_assert(QT >= 1 && (QT == 1 || PART == 0), "prefill rows are never split");
 
 #if PC_KV8
+#ifndef PC_TC_PREFETCH
+#define PC_TC_PREFETCH 1  // scripts/gpu/kv8_attention.py --define PC_TC_PREFETCH=0 times without
+#endif
 constexpr bool TC = pc_tc_shape<D, BS, G, QT>();  // decode on the tensor cores (pc_tc_warp)
 #else
 constexpr bool TC = false;
@@ -557,7 +587,7 @@ const int blk_end = (tok_end + BS - 1) / BS;
 
 #if PC_KV8
 if constexpr (TC) {  // tensor cores: this warp's rows straight to shared memory
-  pc_tc_warp<T, KV, TC ? D : 64, TC ? BS : 16, TC ? G : 1, NW>(
+  pc_tc_warp<T, KV, TC ? D : 64, TC ? BS : 16, TC ? G : 1, NW, PC_TC_PREFETCH>(
       q + ((size_t(b) * H + size_t(kvh) * G) * L + l0) * D, size_t(L) * D, k_pool, v_pool,
       k_scales, v_scales, block_tables + size_t(b) * MB, KVH, kvh, blk_begin, blk_end, tok_end,
       sc, sm_ml, sm_acc);

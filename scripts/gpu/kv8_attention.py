@@ -1,7 +1,7 @@
 """Issue #26 on the H200: the 8-bit paged decode kernel against the 16-bit one.
 
     python3 scripts/gpu/kv8_attention.py [--repeats N] [--json PATH]
-        [--baseline-source OLD.cu] [--step-tokens 4,8] [--shapes 8B]
+        [--baseline-source OLD.cu] [--step-tokens 4,8] [--define NAME=VALUE] [--shapes 8B]
 
 All 32 (8B) or 16 (1B) layers' decode attention of one step, 64 sequences x 2048 tokens, bf16
 queries: the CUDA kernel over a bf16 pool and over an int8 pool with fp16 scales (the same
@@ -14,8 +14,10 @@ git history: write it first, e.g. ``git show 62338cd:shaders/paged_attention.cu 
 its kernels run through the same launch plans (``plan_attention(sources=...)``, renamed so MLX
 compiles them apart) on the same data, interleaved with the current ones, and the run reports
 new8/new16, new16/old16 and new8/old8. ``--step-tokens`` adds variants of the current source
-with ``#define PC_NT N`` (tokens per lane per step; the kernel's default is 8 at this shape) to
-pick the step size on the device. Each variant's time is the GPU time of evaluating all layers'
+with ``#define PC_NT N`` (tokens per lane per step; the kernel's default is 4 at this shape) to
+pick the step size on the device; ``--define NAME=VALUE`` any other compile-time switch
+(``PC_TC_PREFETCH=0``: the tensor-core decode without its next-tile prefetch). Each
+variant's time is the GPU time of evaluating all layers'
 already-built graphs (graph construction is outside the timed region), with its effective
 bandwidth: K/V bytes read (scales included for 8-bit) / time.
 """
@@ -57,13 +59,17 @@ def load_sources(text: str, suffix: str, defines: str = "") -> dict[str, KernelS
 
 def variants(args) -> dict[str, dict[str, KernelSource]]:
     """Name -> kernel sources: "new" (the checkout's file), "old" (--baseline-source) and
-    "ntN" (--step-tokens)."""
+    "ntN" (--step-tokens), "nameVALUE" (--define NAME=VALUE)."""
     current = cuda_kernels.CUDA_SHADER_PATH.read_text()
     out = {"new": load_sources(current, "")}
     if args.baseline_source:
         out["old"] = load_sources(Path(args.baseline_source).read_text(), "_baseline")
     for n in args.step_tokens:
         out[f"nt{n}"] = load_sources(current, f"_nt{n}", f"#define PC_NT {n}\n")
+    for define in args.define:
+        name, _, value = define.partition("=")
+        key = f"{name.lower()}{value}"
+        out[key] = load_sources(current, f"_{key}", f"#define {name} {value}\n")
     return out
 
 
@@ -152,6 +158,8 @@ def case(shape: dict, batch: int, context: int, repeats: int,
         *[(f"nt{n}8", f"nt{n}16") for n in (1, 2, 4, 8)],
         *[(f"nt{n}16", "new16") for n in (1, 2, 4, 8)],
         *[(f"nt{n}8", "new8") for n in (1, 2, 4, 8)],
+        *[(f"{k[:-1]}8", "new8") for k in runs if k.endswith("8") and k[:-1] not in
+          ("new", "old") and not k.startswith("nt")],
     ) if (r := ratio(a, b)) is not None}
     for key in runs:
         print(f"  {key:>7}: {spread(times[key])} ms, {row['tb_per_s'][key]:.2f} TB/s, "
@@ -170,6 +178,9 @@ def parse_args(argv=None):
     parser.add_argument("--step-tokens", default="",
                         type=lambda s: [int(x) for x in s.split(",") if x],
                         help="comma-separated PC_NT values to time as extra variants")
+    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                        help="time the current source with '#define NAME VALUE' in front of "
+                             "the attention body as one more variant (repeatable)")
     parser.add_argument("--shapes", default="1B,8B",
                         type=lambda s: [x for x in s.split(",") if x])
     parser.add_argument("--check-only", action="store_true",
