@@ -385,6 +385,40 @@ def test_a_chat_that_never_repeats_keeps_the_overlap(priced):
     assert drafted_at and drafted_at[0] <= len(fresh) + PROBE_EVERY + 1, drafted_at
 
 
+def test_a_priced_out_regenerate_probes_with_its_whole_continuation():
+    """The H100's GPU check (abcf6ec): a regenerated greedy reply, whose earlier reply is
+    the reply, accepted 2 and 7 drafts in 64 tokens. Overlapped, a step that drafts waits for
+    its host token (here 1 ms of lost overlap beside 1.5 ms steps), and a probe of one draft
+    carried that whole cost as one row's price: drafting stayed priced out, and one-draft
+    probes every ``PROBE_EVERY`` tokens taught the acceptance too slowly (16 accepted here
+    before the fix). A probe whose lookup matched a whole ``MAX_NGRAM`` suffix now verifies
+    the continuation it found: kept, it is worth many tokens and teaches the acceptance in
+    one step. Pure bookkeeping on the overlapped calling pattern, the GPU's step times."""
+    plain_s, lost_overlap_s, row_s = 0.0015, 0.0010, 0.00005
+    speculator = Speculator()
+    for _ in range(StepCost.WINDOW):  # an engine that ran before: plain steps, 1-draft probes
+        speculator.cost.observe(plain_s, decode_rows=1, draft_rows=0)
+        speculator.cost.observe(plain_s + lost_overlap_s + row_s, decode_rows=1, draft_rows=1)
+    assert speculator.cost.threshold() > 0.5  # above a new sequence's prior of one in three
+    reply = list(range(100, 180))
+    speculator.forget(sibling(1, reply))  # the reply being regenerated, kept as drafts
+    seq = sibling(2, reply[:1])
+    on_host, accepted = True, 0
+    while seq.num_generated < 64:
+        drafts = speculator.propose(seq) if on_host else []
+        assert drafts == reply[seq.num_generated:seq.num_generated + len(drafts)]
+        if drafts:
+            speculator.record(seq, len(drafts), len(drafts))  # greedy: the same reply
+        speculator.observe_step(plain_s + (lost_overlap_s if on_host else 0.0)
+                                + row_s * len(drafts), 1, len(drafts), 0)
+        kept = reply[seq.num_generated:seq.num_generated + 1 + len(drafts)]
+        seq.tokens += kept
+        seq.num_generated += len(kept)
+        accepted += len(drafts)
+        on_host = speculator.wants_host_tokens(seq)
+    assert accepted >= 64 // 3, accepted  # the GPU check's bar
+
+
 @pytest.mark.model
 def test_cancel_mid_draft_and_sampled_drafts_leave_no_block_behind(engine):
     prompt = chat_prompt(EDIT)

@@ -28,8 +28,11 @@ adds ``a**j`` expected tokens; a row costs ``c`` seconds (measured: the steps wi
 against those without, medians of the last 16 of each, :class:`StepCost`); the step makes
 ``N / T`` tokens per second (N decode rows in T seconds). So the j-th draft is worth it
 while ``a**j > c * N / T``, and ``k`` is the largest such j (0: the sequence stops
-drafting; it probes with one draft once ``PROBE_EVERY`` tokens have passed since its last
-draft, to notice when its text turns repetitive). The probe's clock counts the sequence's
+drafting; it probes once ``PROBE_EVERY`` tokens have passed since its last draft, to
+notice when its text turns repetitive: with one draft, or with the whole continuation when
+the lookup matched a full ``MAX_NGRAM`` suffix, for overlapped a one-draft probe carries the
+lost overlap as one row's price and teaches the acceptance one token at a time, which kept
+a regenerated greedy reply priced out on a GPU). The probe's clock counts the sequence's
 tokens, not the steps that consulted the speculator: an overlapped step (a GPU) never
 consults it for a sequence whose newest token is still on the device, so a clock of
 consultations stopped for good once a sequence stopped drafting there.
@@ -241,13 +244,15 @@ class Speculator:
         k = self.draft_length(state)
         if k == 0 and not state.probe_due(seq.num_generated):
             return []
-        drafts = self._lookup(seq, state, limit)
+        drafts, matched = self._lookup(seq, state, limit)
         if not drafts:
             state.missed(seq.num_generated)
             return []
         state.misses = 0
         state.last_try = seq.num_generated
-        return drafts[:max(k, 1)]  # k == 0: a probe of one draft (is the text repetitive?)
+        if k == 0:  # a probe: is the text repetitive?
+            return drafts if matched >= MAX_NGRAM else drafts[:1]
+        return drafts[:k]
 
     def draft_length(self, state: DraftState) -> int:
         """The largest j with ``a**j > threshold`` (capped at ``max_draft``)."""
@@ -259,10 +264,10 @@ class Speculator:
             return self.max_draft
         return max(0, min(self.max_draft, int(math.log(gamma) / math.log(a))))
 
-    def _lookup(self, seq: Sequence, state: DraftState, limit: int) -> list[int]:
+    def _lookup(self, seq: Sequence, state: DraftState, limit: int) -> tuple[list[int], int]:
         """The continuation of the longest suffix n-gram matched in ``seq``'s own context
-        or a sibling's tokens; the longer match wins, then the sibling (its reply follows
-        the same prompt), then the longer continuation."""
+        or a sibling's tokens, and that n-gram's length; the longer match wins, then the
+        sibling (its reply follows the same prompt), then the longer continuation."""
         tokens = seq.tokens
         suffix = tokens[-MAX_NGRAM:]
         best: tuple[int, int, int] = (0, 0, 0)
@@ -279,7 +284,7 @@ class Speculator:
             score = (n, 1, len(candidate))
             if score > best:
                 best, drafts = score, candidate
-        return drafts
+        return drafts, best[0]
 
     def _sibling_sources(self, seq: Sequence, key: int):
         """(tokens, their up-to-date index) of every sibling still decoding, then of every
