@@ -385,21 +385,23 @@ def test_a_chat_that_never_repeats_keeps_the_overlap(priced):
     assert drafted_at and drafted_at[0] <= len(fresh) + PROBE_EVERY + 1, drafted_at
 
 
-def test_a_priced_out_regenerate_probes_with_its_whole_continuation():
-    """The H100's GPU check (abcf6ec): a regenerated greedy reply, whose earlier reply is
-    the reply, accepted 2 and 7 drafts in 64 tokens. Overlapped, a step that drafts waits for
-    its host token (here 1 ms of lost overlap beside 1.5 ms steps), and a probe of one draft
-    carried that whole cost as one row's price: drafting stayed priced out, and one-draft
-    probes every ``PROBE_EVERY`` tokens taught the acceptance too slowly (16 accepted here
-    before the fix). A probe whose lookup matched a whole ``MAX_NGRAM`` suffix now verifies
-    the continuation it found: kept, it is worth many tokens and teaches the acceptance in
-    one step. Pure bookkeeping on the overlapped calling pattern, the GPU's step times."""
-    plain_s, lost_overlap_s, row_s = 0.0015, 0.0010, 0.00005
+def test_a_priced_out_regenerate_copies_its_earlier_reply_in_long_probes():
+    """The H100's GPU check: a regenerated greedy reply, whose earlier reply is the reply,
+    kept 2 and 7 drafts of 64 at abcf6ec, and 18 (kernel path) at 897bb70. Overlapped, a step
+    that drafts waits for its host token (here 1.5 ms of lost overlap beside 1 ms steps, a
+    tiny model's launch-bound steps), and a probe of one draft carried that whole cost as one
+    row's price: drafting stayed priced out, and one-draft probes every ``PROBE_EVERY``
+    tokens taught the acceptance too slowly. Now a probe whose lookup matched a whole
+    ``MAX_NGRAM`` suffix verifies the continuation it found, and a step that kept several
+    drafts, all of them, is followed by another probe at once: the copy runs in steps of
+    ``MAX_DRAFT`` + 1 tokens (abcf6ec's rule: 3 accepted here; 897bb70's: 24). Pure
+    bookkeeping on the overlapped calling pattern."""
+    plain_s, lost_overlap_s, row_s = 0.0010, 0.0015, 0.00005
     speculator = Speculator()
     for _ in range(StepCost.WINDOW):  # an engine that ran before: plain steps, 1-draft probes
         speculator.cost.observe(plain_s, decode_rows=1, draft_rows=0)
         speculator.cost.observe(plain_s + lost_overlap_s + row_s, decode_rows=1, draft_rows=1)
-    assert speculator.cost.threshold() > 0.5  # above a new sequence's prior of one in three
+    assert speculator.cost.threshold() > 1.0  # no draft can pay by the rule's price of a row
     reply = list(range(100, 180))
     speculator.forget(sibling(1, reply))  # the reply being regenerated, kept as drafts
     seq = sibling(2, reply[:1])
@@ -416,7 +418,22 @@ def test_a_priced_out_regenerate_probes_with_its_whole_continuation():
         seq.num_generated += len(kept)
         accepted += len(drafts)
         on_host = speculator.wants_host_tokens(seq)
-    assert accepted >= 64 // 3, accepted  # the GPU check's bar
+    assert accepted >= 2 * 64 // 3, accepted  # the GPU check's bar is a third
+
+
+def test_a_probe_that_keeps_a_single_draft_waits_for_the_next_one():
+    """Only a step that kept several drafts, all of them, probes again at once: a probe of
+    one kept draft (an ordinary chat's chance match) waits ``PROBE_EVERY`` tokens, so chance
+    matches do not make a priced-out row give up the overlap step after step."""
+    speculator = Speculator()
+    seq = sibling(4, list(range(300, 340)))
+    state = speculator._state(seq)
+    speculator.record(seq, drafted=1, accepted=1)
+    assert not state.probe_due(state.last_try + 1)
+    speculator.record(seq, drafted=3, accepted=3)
+    assert state.probe_due(state.last_try + 1)
+    speculator.record(seq, drafted=3, accepted=2)
+    assert not state.probe_due(state.last_try + 1)
 
 
 @pytest.mark.model

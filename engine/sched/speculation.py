@@ -32,7 +32,8 @@ drafting; it probes once ``PROBE_EVERY`` tokens have passed since its last draft
 notice when its text turns repetitive: with one draft, or with the whole continuation when
 the lookup matched a full ``MAX_NGRAM`` suffix, for overlapped a one-draft probe carries the
 lost overlap as one row's price and teaches the acceptance one token at a time, which kept
-a regenerated greedy reply priced out on a GPU). The probe's clock counts the sequence's
+a regenerated greedy reply priced out on a GPU; and at once again after a step that kept
+several drafts, all of them). The probe's clock counts the sequence's
 tokens, not the steps that consulted the speculator: an overlapped step (a GPU) never
 consults it for a sequence whose newest token is still on the device, so a clock of
 consultations stopped for good once a sequence stopped drafting there.
@@ -125,10 +126,15 @@ class DraftState:
     last_try: int = 0  # the sequence's generated tokens when it last drafted (or probed)
     misses: int = 0  # lookups in a row that found no draft
     next_look: int = 0  # generated tokens before its token is wanted on the host again
+    #: its last step verified several drafts and kept them all: it probes again at once
+    kept_all: bool = False
 
     def probe_due(self, num_generated: int) -> bool:
-        """Whether a sequence priced out of drafting probes at ``num_generated`` tokens."""
-        return num_generated - self.last_try >= PROBE_EVERY
+        """Whether a sequence priced out of drafting probes at ``num_generated`` tokens:
+        ``PROBE_EVERY`` tokens after it last drafted, or at once after a step that kept
+        several drafts, all of them (a run of its earlier reply is being copied: each such
+        step is worth many tokens, whatever the price the rule puts on one row)."""
+        return self.kept_all or num_generated - self.last_try >= PROBE_EVERY
 
     def missed(self, num_generated: int) -> None:
         """A lookup found nothing: back off asking for the host token (1, 2, 4 ... tokens)."""
@@ -305,6 +311,7 @@ class Speculator:
         if state is None:
             return
         rejected = 1 if accepted < drafted else 0
+        state.kept_all = drafted >= 2 and accepted == drafted
         state.accepted = ACCEPT_DECAY * state.accepted + accepted
         state.trials = ACCEPT_DECAY * state.trials + accepted + rejected
 
