@@ -421,6 +421,27 @@ def test_a_priced_out_regenerate_copies_its_earlier_reply_in_long_probes():
     assert accepted >= 2 * 64 // 3, accepted  # the GPU check's bar is a third
 
 
+def test_a_regenerated_reply_drafts_its_earlier_reply_at_the_same_position():
+    """A reply that repeats itself (a small model's greedy loops: on the CPU's GPU check a
+    regenerated greedy reply kept 16-23 drafts of 64 in some runs) has n-grams whose latest
+    occurrence continues differently from the one at the regenerated reply's position; the
+    aligned continuation comes first, the n-gram index after."""
+    loop = [7, 8, 9, 10]
+    reply = [50, 51] + loop + [60, 61, 62] + loop + [70, 71, 72, 73]
+    speculator = Speculator()
+    speculator.forget(sibling(1, reply))
+    seq = sibling(2, reply[:6])  # its newest tokens are the loop's first occurrence
+    assert speculator.propose(seq)[:2] == [60, 61]  # not [70, 71]
+    live = sibling(3, reply[:12])  # a sibling still decoding, ahead
+    behind = sibling(4, reply[:6])
+    speculator._state(live)
+    assert speculator.propose(behind)[:2] == [60, 61]
+    speculator = Speculator()
+    speculator.forget(sibling(1, reply))
+    shifted = sibling(5, [50] + loop)  # the loop a token earlier: the n-gram's latest
+    assert speculator.propose(shifted)[:2] == [70, 71]
+
+
 def test_a_probe_that_keeps_a_single_draft_waits_for_the_next_one():
     """Only a step that kept several drafts, all of them, probes again at once: a probe of
     one kept draft (an ordinary chat's chance match) waits ``PROBE_EVERY`` tokens, so chance
