@@ -59,6 +59,8 @@ PREFILL_CASES = [
     PrefillCase(4, 2, 64, 16, mx.float32, context=300, chunk=64),
     PrefillCase(1, 2, 128, 8, mx.float16, context=77, chunk=13),
     PrefillCase(3, 1, 80, 32, mx.bfloat16, context=200, chunk=37, warps=1),
+    # G = 8 prefills one query token per thread block: CUDA runs it on the tensor cores
+    PrefillCase(8, 1, 128, 16, mx.float16, context=150, chunk=11),
 ]
 
 
