@@ -27,16 +27,17 @@ With a per-token acceptance ``a`` (the sequence's recent rate, decayed), the j-t
 adds ``a**j`` expected tokens; a row costs ``c`` seconds (measured: the steps with drafts
 against those without, medians of the last 16 of each, :class:`StepCost`); the step makes
 ``N / T`` tokens per second (N decode rows in T seconds). So the j-th draft is worth it
-while ``a**j > c * N / T``, and ``k`` is the largest such j (0: the sequence stops
-drafting; it probes once ``PROBE_EVERY`` tokens have passed since its last draft, to
-notice when its text turns repetitive: with one draft, or with the whole continuation when
-the lookup matched a full ``MAX_NGRAM`` suffix, for overlapped a one-draft probe carries the
-lost overlap as one row's price and teaches the acceptance one token at a time, which kept
-a regenerated greedy reply priced out on a GPU; and at once again after a step that kept
-several drafts, all of them). The probe's clock counts the sequence's
-tokens, not the steps that consulted the speculator: an overlapped step (a GPU) never
-consults it for a sequence whose newest token is still on the device, so a clock of
-consultations stopped for good once a sequence stopped drafting there.
+while ``a**j > c * N / T``, and ``k`` is the largest such j.
+
+At ``k`` = 0 the sequence stops drafting and *probes*, to notice when its text turns
+repetitive: once ``PROBE_EVERY`` tokens have passed since its last draft, and again at once
+after a step that kept several drafts, all of them. A probe verifies one draft, or the whole
+continuation when the lookup matched a full ``MAX_NGRAM`` suffix. Overlapped, a one-draft
+probe carries the lost overlap as one row's price and teaches the acceptance one token at a
+time: a regenerated greedy reply stayed priced out on a GPU that way. The probe's clock
+counts the sequence's tokens, not the steps that consulted the speculator: an overlapped
+step never consults it for a sequence whose newest token is still on the device, so a clock
+of consultations stopped for good once a sequence stopped drafting there.
 
 **The host token's price.** Overlapped, a step launched while the previous one runs cannot
 draft: its drafts follow a token still on the device. So a sequence that may draft asks for
