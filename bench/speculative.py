@@ -124,14 +124,22 @@ def main() -> None:
                              "carried to the device, docs/GPU.md); default: the embedded one")
     parser.add_argument("--out", type=Path, default=RESULTS / "speculative.md",
                         help="the report (default: bench/results/speculative.md)")
+    parser.add_argument("--workloads", default="edit,chat,regenerate,n3,chats8",
+                        help="which workloads, comma-separated (default: all five)")
     args = parser.parse_args()
-    workloads = [  # name, run, metric, target
-        ("edit (1 chat, greedy)", edit(args.edit_tokens), "decode", 2.0),
-        ("chat (1 chat, app sampling)", chat, "decode", 0.97),
-        ("regenerate x3 after its reply (app sampling)", regenerate_x3, "aggregate", 1.3),
-        ("n = 3, no earlier reply (app sampling)", three_new, "aggregate", 1.3),
-        ("8 chats (app sampling)", eight_chats, "aggregate", 0.97),
-    ]
+    every = {  # key: (name, run, metric, target)
+        "edit": ("edit (1 chat, greedy)", edit(args.edit_tokens), "decode", 2.0),
+        "chat": ("chat (1 chat, app sampling)", chat, "decode", 0.97),
+        "regenerate": ("regenerate x3 after its reply (app sampling)", regenerate_x3,
+                       "aggregate", 1.3),
+        "n3": ("n = 3, no earlier reply (app sampling)", three_new, "aggregate", 1.3),
+        "chats8": ("8 chats (app sampling)", eight_chats, "aggregate", 0.97),
+    }
+    chosen = args.workloads.split(",")
+    unknown = [k for k in chosen if k not in every]
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; choose from {list(every)}")
+    workloads = [every[k] for k in chosen]
     engines = {}
     for on in (False, True):
         engines[on] = Engine(EngineConfig(model=args.model, kv_memory_mib=256,
@@ -166,7 +174,7 @@ def main() -> None:
     text = "\n".join([
         "# Speculative decoding (issue #28)", "",
         f"`python -m bench.speculative --repeats {args.repeats} --edit-tokens "
-        f"{args.edit_tokens}` ({where}; {args.repeats} "
+        f"{args.edit_tokens} --workloads {args.workloads}` ({where}; {args.repeats} "
         "repeats, off/on interleaved, each run on prompts no earlier run asked; sampled rows "
         "use the app's default sampling; medians with min-max; the ratio is the median of "
         "the per-repeat ratios).", "",

@@ -86,3 +86,16 @@ def app_engine():
         pytest.fail(f"the default model did not load: {engine.load_error}")
     yield engine
     engine.stop()
+
+
+# ---- engine fixtures -------------------------------------------------------------------------
+@pytest.fixture(params=["cpu", "fused"])
+def attention_formulation(request, monkeypatch):
+    """The reference path's two formulations, both on this CPU: ``cpu`` (what the CPU backend
+    runs, engine/attention/cpu_sdpa.py) and ``fused`` (``mx.fast.scaled_dot_product_attention``,
+    what a GPU backend runs where no kernel does)."""
+    import engine.attention.dispatch as dispatch
+
+    on_cpu = request.param == "cpu"
+    monkeypatch.setattr(dispatch, "on_cpu", lambda: on_cpu)
+    return request.param

@@ -52,7 +52,8 @@ def scattered_pool(rng: random.Random, lengths: list[int], block_size: int, kv_h
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
-def test_decode_matches_naive_attention(block_size: int, heads: int, kv_heads: int) -> None:
+def test_decode_matches_naive_attention(block_size: int, heads: int, kv_heads: int,
+                                        attention_formulation) -> None:
     rng = random.Random(block_size * 100 + heads)
     lengths = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 70]
     head_dim = 32
@@ -73,8 +74,8 @@ def test_decode_matches_naive_attention(block_size: int, heads: int, kv_heads: i
 
 
 @pytest.mark.parametrize("chunk,earlier", [(1, 0), (7, 0), (16, 16), (9, 23), (40, 37)])
-def test_prefill_chunk_is_causal_inside_and_full_over_earlier_blocks(chunk: int,
-                                                                     earlier: int) -> None:
+def test_prefill_chunk_is_causal_inside_and_full_over_earlier_blocks(
+        chunk: int, earlier: int, attention_formulation) -> None:
     rng = random.Random(chunk * 7 + earlier)
     heads, kv_heads, head_dim, block_size = 6, 3, 16, 8
     total = earlier + chunk

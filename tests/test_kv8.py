@@ -249,7 +249,8 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, tol, what: str) -> No
 
 
 @pytest.mark.parametrize("case", REF_CASES, ids=lambda c: c.id)
-def test_reference_decode_on_an_int8_pool_matches_the_oracle(case: RefCase) -> None:
+def test_reference_decode_on_an_int8_pool_matches_the_oracle(case: RefCase,
+                                                             attention_formulation) -> None:
     p = pool8(case)
     out = reference_decode(p.q, p.kq, p.vq, mx.array(p.tables), mx.array(p.lens),
                            case.head_dim**-0.5, k_scales=p.ks, v_scales=p.vs)
@@ -259,7 +260,8 @@ def test_reference_decode_on_an_int8_pool_matches_the_oracle(case: RefCase) -> N
 
 
 @pytest.mark.parametrize("case", [REF_CASES[0], REF_CASES[2], REF_CASES[4]], ids=lambda c: c.id)
-def test_reference_prefill_on_an_int8_pool_matches_the_oracle(case: RefCase) -> None:
+def test_reference_prefill_on_an_int8_pool_matches_the_oracle(case: RefCase,
+                                                              attention_formulation) -> None:
     case1 = RefCase(case.group, case.kv_heads, case.head_dim, case.block_size, case.dtype,
                     (max(case.lens),))
     chunk = min(37, case1.lens[0])
@@ -270,7 +272,7 @@ def test_reference_prefill_on_an_int8_pool_matches_the_oracle(case: RefCase) -> 
     assert_close(got, oracle_attention(case1, p, chunk), REF_TOL[case.dtype], "prefill vs oracle")
 
 
-def test_oracle_catches_a_scale_of_the_wrong_head() -> None:
+def test_oracle_catches_a_scale_of_the_wrong_head(attention_formulation) -> None:
     """The comparison is sharp enough to see the kernels' planted bugs in the reference:
     scales of KV head 0 for every head."""
     case = REF_CASES[1]
@@ -353,16 +355,24 @@ QUESTIONS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 #: The 8-bit reference run also reports each position's two likeliest tokens.
 GREEDY_TOP2 = SamplingParams(temperature=0.0, max_tokens=32, logprobs=2)
-#: A near-tie of the 8-bit reference: its two likeliest tokens closer than this (nats).
-#: Recomputation and batching cannot promise the very bytes: the fp32 K/V a step computes
-#: differ in their last bits with the step's shape (a preempted chat's recompute is one
-#: prefill where decode steps first wrote its tokens; a batch of five rows is not a batch of
-#: four), and one ulp can round an int8 value to its neighbour. Measured on the default model
-#: (CPU): such flips move a logit by at most 0.02 nats, and flipped greedy choices whose
-#: reference margin was 0.005 nats (prompt 3, token 29, both preempted and alone) and at most
-#: 0.021 (prompt 1, in CI). A real fault (a block's scales not copied, a wrong block
-#: reused) moves logits by far more, before any tie.
-NEAR_TIE = 0.05
+#: How far 8-bit rounding moves the default model's logprobs (nats), at the same context:
+#: against the fp32 pool (``INT8_TIE``), and between two runs of the 8-bit pool whose K/V
+#: were computed in different step shapes (``RECOMPUTE_TIE``: a preempted chat's recompute
+#: is one prefill where decode steps first wrote its tokens; a batch of five rows is not a
+#: batch of four): their fp32 K/V differ in the last bits, and one ulp can round an int8
+#: value to its neighbour. A greedy reply may leave its reference only where the reference's
+#: two likeliest tokens are that close.
+#: Measured on the 4 prompts (CPU): against the fp32 pool, 75 logprobs over the common
+#: prefixes, p50 0.021 and max 0.19 nats, every divergence to the fp32 pool's second choice
+#: where its margin was 0.045-0.10; preempted and shared against alone, max 0.11 (0.14 with
+#: MLX's fused SDPA as the reference attention), one divergence at a margin of 0.054. A wrong
+#: scale or block moves logprobs by more (planted: K scales of KV head 0 for every head, a
+#: divergence at the first token where the margin was 0.89; copy-on-write without the scales,
+#: 0.39 at the fork's third token). Free-running agreement is a lottery over this model's
+#: near-ties (bf16 K/V keep 18 of 20 replies, any 8-bit scheme 7-12: bench/results/kv8.md),
+#: so the tests check the perturbation itself.
+INT8_TIE = 0.3
+RECOMPUTE_TIE = 0.2
 #: 30 layers x 2 x 3 KV heads x (64 int8 + 2 bytes of fp16 scale) x 16 slots
 INT8_BLOCK_BYTES = 30 * 2 * 3 * 66 * 16
 
@@ -400,10 +410,28 @@ def collect_with_logprobs(handle):
     return tokens, finals, logprobs
 
 
-def first_near_tie(logprobs: list[TokenLogprob]) -> int:
-    """The first position where the two likeliest tokens are closer than ``NEAR_TIE``."""
-    return next((i for i, lp in enumerate(logprobs)
-                 if len(lp.top) > 1 and lp.top[0][1] - lp.top[1][1] < NEAR_TIE), len(logprobs))
+def assert_follows(reply: list[int], reply_lp: list[TokenLogprob], ref: list[int],
+                   ref_lp: list[TokenLogprob], tie: float, what: str) -> list[float]:
+    """``reply`` equals ``ref`` up to a near-tie of ``ref`` (its two likeliest tokens closer
+    than ``tie`` nats), where it may take ``ref``'s second choice; over the common prefix
+    (same contexts) the logprobs both report differ by less than ``tie``. Returns those
+    differences."""
+    same = common_prefix(reply, ref)
+    shifts = []
+    for ref_pos, pos in zip(ref_lp[:same + 1], reply_lp[:same + 1]):
+        top = dict(pos.top)
+        shifts += [abs(lp - top[t]) for t, lp in ref_pos.top if t in top]
+    assert not shifts or max(shifts) < tie, (
+        f"{what}: logprobs moved by {max(shifts):.3f} nats at the same context")
+    if same < min(len(reply), len(ref)):
+        (first, first_lp), (second, second_lp) = ref_lp[same].top
+        assert reply[same] == second and first_lp - second_lp < tie, (
+            f"{what}: left the reference at token {same} for {reply[same]}, where the "
+            f"reference's margin was {first_lp - second_lp:.3f} nats (its choices {first}, "
+            f"{second})")
+    else:
+        assert len(reply) == len(ref), f"{what}: ended at {len(reply)}, not {len(ref)}"
+    return shifts
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -413,8 +441,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 @pytest.fixture(scope="module")
 def int8_replies():
     prompts = [chat_prompt(user(q)) for q in QUESTIONS]
-    jobs = [(p, GREEDY) for p in prompts]
-    full = run_engine(EngineConfig(kv_memory_mib=64, max_batch=8), jobs)
+    full = run_engine(EngineConfig(kv_memory_mib=64, max_batch=8),
+                      [(p, GREEDY_TOP2) for p in prompts])
     q8 = run_engine(EngineConfig(kv_memory_mib=64, max_batch=8, kv_precision="int8"),
                     [(p, GREEDY_TOP2) for p in prompts])
     return prompts, full, q8
@@ -427,48 +455,44 @@ def test_int8_engine_greedy_agreement_with_the_full_precision_pool(int8_replies)
     assert info.bytes_per_block == INT8_BLOCK_BYTES
     assert info.full_bytes_per_block == full_info.bytes_per_block == 30 * 2 * 3 * 64 * 4 * 16
     assert info.num_blocks == 64 * 2**20 // INT8_BLOCK_BYTES  # 3.9x the fp32 pool's
-    prefixes = []
-    for (a, _, _), (b, fb, _) in zip(full, q8, strict=True):
+    prefixes, shifts = [], []
+    for i, ((a, _, a_lp), (b, fb, b_lp)) in enumerate(zip(full, q8, strict=True)):
         assert fb[0].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         prefixes.append(common_prefix(a[0], b[0]) / max(len(a[0]), 1))
+        shifts += assert_follows(b[0], b_lp[0], a[0], a_lp[0], INT8_TIE,
+                                 f"prompt {i}: the 8-bit reply against the fp32 one")
     identical = sum(p == 1.0 for p in prefixes)
     print(f"\n8-bit vs fp32 pool, greedy, 32 tokens: {identical}/{len(prefixes)} replies "
-          f"identical, common prefix per reply {[f'{p:.0%}' for p in prefixes]}")
-    # measured (bench/results/kv8.md has the 20-prompt, 64-token figures): a bound, not a claim
-    # of equality
-    assert np.mean(prefixes) >= 0.5 and identical >= len(prefixes) // 2
+          f"identical, common prefix per reply {[f'{p:.0%}' for p in prefixes]}; logprob "
+          f"shift p50 {np.median(shifts):.3f}, max {max(shifts):.3f} nats")
 
 
 @pytest.mark.model
 def test_prefix_sharing_forks_and_preemption_on_int8_blocks(int8_replies) -> None:
     """They move block ids, never bytes: with them the 8-bit engine answers as it does
-    without them, up to the reference's first near-tie (``NEAR_TIE``: a preempted chat's
+    without them, up to the reference's near-ties (``RECOMPUTE_TIE``: a preempted chat's
     recompute writes its bytes again, from K/V computed in another shape)."""
     prompts, _, (_, alone, _) = int8_replies
     # the same prompts again, on a pool of 12 blocks: prefix hits (two copies of prompt 0),
     # n=3 greedy forks (copy-on-write of the partial prompt block, prompt 2) and preemption
-    # (the chats need about 30 blocks at their longest). Prompts 0 and 2 have no near-tie in
-    # their 32 tokens, so every token of the hits and the forks must match.
-    assert [first_near_tie(alone[i][2][0]) for i in (0, 2)] == [len(alone[0][2][0]),
-                                                              len(alone[2][2][0])]
-    jobs = [(prompts[0], GREEDY), (prompts[0], GREEDY),
-            (prompts[2], SamplingParams(temperature=0.0, max_tokens=32, n=3)),
-            (prompts[1], GREEDY), (prompts[3], GREEDY)]
+    # (the chats need about 30 blocks at their longest).
+    jobs = [(prompts[0], GREEDY_TOP2), (prompts[0], GREEDY_TOP2),
+            (prompts[2], SamplingParams(temperature=0.0, max_tokens=32, n=3, logprobs=2)),
+            (prompts[1], GREEDY_TOP2), (prompts[3], GREEDY_TOP2)]
     cfg = EngineConfig(kv_memory_mib=12 * INT8_BLOCK_BYTES / 2**20, max_batch=8,
                        kv_precision="int8")
     info, results, snap = run_engine(cfg, jobs)
     assert info.num_blocks == 12
     assert snap.counters.preemptions > 0 and snap.counters.prefix_cache_hits > 0
     reference = [alone[0], alone[0], alone[2], alone[1], alone[3]]
-    for i, ((tokens, finals, _), (ref_tokens, _, ref_logprobs)) in enumerate(
+    compared = 0
+    for i, ((tokens, finals, logprobs), (ref_tokens, _, ref_logprobs)) in enumerate(
             zip(results, reference, strict=True)):
-        expected, must_match = ref_tokens[0], first_near_tie(ref_logprobs[0])
-        tie_free = must_match == len(ref_logprobs[0])  # then the end-of-sequence must match too
         for index, drawn in tokens.items():
             assert finals[index].finish_reason is not FinishReason.ERROR, finals[index].error
-            same = common_prefix(drawn, expected)
-            assert drawn == expected or (not tie_free and same >= must_match), (
-                f"job {i} sample {index} changed on shared/forked/preempted blocks at token "
-                f"{same}, before the reference's first near-tie (token {must_match})")
+            compared += len(assert_follows(
+                drawn, logprobs[index], ref_tokens[0], ref_logprobs[0], RECOMPUTE_TIE,
+                f"job {i} sample {index} on shared/forked/preempted blocks"))
+    assert compared >= 40  # logprobs compared at equal contexts: the check is not vacuous
     assert len(results[2][0]) == 3
     assert snap.used_blocks == 0

@@ -3,8 +3,9 @@
 Two implementations behind one entry point, chosen at run time:
 
 * the **reference** path gathers the blocks named by the block tables into a contiguous,
-  masked K/V and calls ``mx.fast.scaled_dot_product_attention``. It runs on every backend and
-  is the oracle every kernel is tested against;
+  masked K/V and calls ``mx.fast.scaled_dot_product_attention`` (on the CPU backend, where
+  that is unfused and its exp a scalar loop, ``engine.attention.cpu_sdpa``'s formulation of the
+  same attention). It runs on every backend and is the oracle every kernel is tested against;
 * the **kernel** paths read K/V straight from the pool through the block tables: the Metal
   decode kernel (``engine.attention.metal``) where the Metal backend is available, the CUDA
   decode and prefill kernel (``engine.attention.cuda``) where MLX's CUDA backend is.
@@ -19,16 +20,21 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from engine.attention.cpu_sdpa import grouped_attention
 from engine.kv import int8
 
 
-def gather_blocks(pool: mx.array, block_table: mx.array) -> mx.array:
-    """K or V of the blocks in ``block_table`` ([..., nb]) as [..., kv_heads, nb*bs, head_dim]."""
+def gather_blocks(pool: mx.array, block_table: mx.array,
+                  dtype: mx.Dtype | None = None) -> mx.array:
+    """K or V of the blocks in ``block_table`` ([..., nb]) as [..., kv_heads, nb*bs, head_dim],
+    contiguous, converted to ``dtype`` when given (in the same copy)."""
     blocks = pool[block_table]  # [..., nb, bs, kvh, d]
     *lead, nb, bs, kvh, d = blocks.shape
-    tokens = blocks.reshape(*lead, nb * bs, kvh, d)
+    heads_first = mx.swapaxes(blocks.reshape(*lead, nb * bs, kvh, d), -2, -3)
+    if dtype is not None and dtype != pool.dtype:
+        return heads_first.astype(dtype)  # one strided read, one contiguous write
     # SDPA on a strided view is ~2x slower than copying it to contiguous first (CPU backend).
-    return mx.contiguous(mx.swapaxes(tokens, -2, -3))
+    return mx.contiguous(heads_first)
 
 
 def gather_kv(pool: mx.array, scales: mx.array | None, block_table: mx.array,
@@ -38,10 +44,39 @@ def gather_kv(pool: mx.array, scales: mx.array | None, block_table: mx.array,
     if scales is None:
         return gather_blocks(pool, block_table)
     q = gather_blocks(pool, block_table)  # int8 [..., kvh, T, D]: a quarter of fp32's bytes
+    return int8.dequantize(q, gather_scales(scales, block_table), dtype)
+
+
+def gather_scales(scales: mx.array, block_table: mx.array) -> mx.array:
+    """An 8-bit pool's scales ([num_blocks, bs, kvh]) of the blocks in ``block_table``
+    ([..., nb]) as [..., kvh, nb*bs], the layout of ``gather_blocks``' tokens."""
     s = scales[block_table]  # [..., nb, bs, kvh]
     *lead, nb, bs, kvh = s.shape
-    s = mx.swapaxes(s.reshape(*lead, nb * bs, kvh), -1, -2)  # [..., kvh, T]
-    return int8.dequantize(q, s, dtype)
+    return mx.swapaxes(s.reshape(*lead, nb * bs, kvh), -1, -2)
+
+
+def on_cpu() -> bool:
+    """True where MLX computes on the CPU backend (then the reference path takes
+    ``engine.attention.cpu_sdpa``'s formulation)."""
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def _cpu_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, block_tables: mx.array,
+                   context_len: int | None, mask: mx.array, scale: float,
+                   k_scales: mx.array | None, v_scales: mx.array | None) -> mx.array:
+    """The reference attention on the CPU backend: K/V gathered (an 8-bit pool's widened to
+    float32 in the gathering copy, its scales kept apart), ``grouped_attention``. Only the
+    first ``context_len`` tokens are gathered when given."""
+    wide = None if k_scales is None else mx.float32
+    k = gather_blocks(k_pool, block_tables, wide)
+    v = gather_blocks(v_pool, block_tables, wide)
+    ks = None if k_scales is None else gather_scales(k_scales, block_tables)
+    vs = None if v_scales is None else gather_scales(v_scales, block_tables)
+    if context_len is not None:
+        k, v = k[:, :, :context_len], v[:, :, :context_len]
+        if ks is not None:
+            ks, vs = ks[:, :, :context_len], vs[:, :, :context_len]
+    return grouped_attention(q, k, v, scale, mask, ks, vs)
 
 
 def reference_decode(
@@ -61,9 +96,13 @@ def reference_decode(
     ``k_scales`` / ``v_scales``: an 8-bit pool's scales (None for a pool of q's dtype).
     Returns [B, H, 1, D].
     """
+    positions = mx.arange(block_tables.shape[-1] * k_pool.shape[1])
+    if on_cpu():
+        mask = (positions[None, :] < context_lens[:, None])[:, None, None, None, :]
+        return _cpu_attention(q, k_pool, v_pool, block_tables, None, mask, scale,
+                              k_scales, v_scales)
     k = gather_kv(k_pool, k_scales, block_tables, q.dtype)  # [B, kvh, T, D]
     v = gather_kv(v_pool, v_scales, block_tables, q.dtype)
-    positions = mx.arange(k.shape[2])
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [B,1,1,T]
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
@@ -84,6 +123,13 @@ def reference_prefill(
     q: [1, H, L, D]; block_table: int32 [nb] covering at least ``context_len`` tokens;
     scales as in ``reference_decode``. Returns [1, H, L, D].
     """
+    if on_cpu():
+        length = q.shape[2]
+        # query i (at position context_len - length + i) sees positions <= its own
+        mask = (mx.arange(context_len)[None, :]
+                <= mx.arange(context_len - length, context_len)[:, None])
+        return _cpu_attention(q, k_pool, v_pool, block_table[None], context_len, mask, scale,
+                              k_scales, v_scales)
     k = gather_kv(k_pool, k_scales, block_table[None], q.dtype)[:, :, :context_len]
     v = gather_kv(v_pool, v_scales, block_table[None], q.dtype)[:, :, :context_len]
     mask = "causal" if q.shape[2] > 1 else None
