@@ -9,16 +9,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine.attention import cpu_sdpa
 from engine.attention.cpu_sdpa import fast_exp, grouped_attention
 
 
-def test_fast_exp_is_exp_to_float32_precision_and_underflows_to_zero() -> None:
+def test_fast_exp_is_mlx_exp_to_an_ulp_and_underflows_to_zero() -> None:
     x = np.concatenate([np.linspace(-100.0, 0.0, 200_001), np.linspace(0.0, 80.0, 20_001),
                         [-1e30, -88.8, -88.7, -1e-8, 0.0]]).astype(np.float32)
     got = np.array(fast_exp(mx.array(x))).astype(np.float64)
     want = np.exp(x.astype(np.float64))
     normal = want >= np.finfo(np.float32).tiny  # float32 underflow: mx.exp gives 0 there too
-    rel = np.abs(got - want) / want
+    rel = np.zeros_like(want)
+    rel[normal] = np.abs(got[normal] - want[normal]) / want[normal]
     # MLX's own exp is this accurate (measured: 9.1e-7 on [-16, 0], 3.9e-6 near -87, where
     # x * log2(e) in float32 carries the argument's rounding); a softmax feeds it [-16, 0]
     # for every weight that is not negligible
@@ -78,3 +80,21 @@ def test_grouped_attention_folds_8bit_scales_as_dequantizing_would() -> None:
     swapped = grouped_attention(mx.array(q), mx.array(kq), mx.array(vq), 0.25, mx.array(mask),
                                 mx.array(vs), mx.array(ks))
     assert not np.allclose(np.array(swapped), naive(q, k, v, 0.25, mask), atol=1e-4)
+
+
+def test_more_shapes_than_the_compiled_functions_kept_stay_correct() -> None:
+    """Every chunk length and context is a new shape; the compiled functions are a bounded
+    LRU, and a shape evicted and seen again is traced again, not served a stale graph."""
+    rng = np.random.default_rng(3)
+    shapes = [(length, tokens) for length in (1, 2, 3) for tokens in range(20, 20 + 30)]
+    assert len(shapes) > cpu_sdpa.COMPILED_SHAPES
+    for length, tokens in shapes + shapes[:5]:
+        q = rng.standard_normal((1, 4, length, 8)).astype(np.float32)
+        k = rng.standard_normal((1, 2, tokens, 8)).astype(np.float32)
+        v = rng.standard_normal((1, 2, tokens, 8)).astype(np.float32)
+        query_pos = tokens - length + np.arange(length)
+        mask = (np.arange(tokens)[None, :] <= query_pos[:, None])[None, None, None]
+        got = grouped_attention(mx.array(q), mx.array(k), mx.array(v), 0.3, mx.array(mask))
+        np.testing.assert_allclose(np.array(got), naive(q, k, v, 0.3, mask), atol=2e-6,
+                                   rtol=1e-5)
+    assert cpu_sdpa._compiled.cache_info().currsize == cpu_sdpa.COMPILED_SHAPES

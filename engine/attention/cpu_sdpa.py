@@ -26,6 +26,9 @@ On a GPU backend the reference path keeps MLX's fused SDPA (engine/attention/dis
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import lru_cache
+
 import mlx.core as mx
 
 _LOG2E = 1.4426950408889634
@@ -57,7 +60,6 @@ def fast_exp(x: mx.array) -> mx.array:
     return mx.where(x < _UNDERFLOW, 0.0, p * two_to_n)
 
 
-@mx.compile
 def _weights(scores: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
     """Unnormalised softmax weights of float32 ``scores`` over the last axis, 0 where ``mask``
     is False, and their sums (keepdims)."""
@@ -66,7 +68,6 @@ def _weights(scores: mx.array, mask: mx.array) -> tuple[mx.array, mx.array]:
     return e, mx.sum(e, axis=-1, keepdims=True)
 
 
-@mx.compile
 def _weights_int8(scores: mx.array, mask: mx.array, k_scales: mx.array,
                   v_scales: mx.array) -> tuple[mx.array, mx.array]:
     """``_weights`` of scores taken against int8 K (``k_scales`` applied here), the weights
@@ -74,6 +75,22 @@ def _weights_int8(scores: mx.array, mask: mx.array, k_scales: mx.array,
     s = mx.where(mask, scores * k_scales, _MASKED)
     e = fast_exp(s - mx.max(s, axis=-1, keepdims=True))
     return e * v_scales, mx.sum(e, axis=-1, keepdims=True)
+
+
+#: Compiled weight functions kept, one per shape: a step's chunks and verify rows come in
+#: every (length, context) there is, and one compiled function would keep a traced graph
+#: for each shape it ever saw for the life of the engine (MLX's compile cache has no
+#: bound). An evicted function takes its graph with it; a shape seen again is traced again
+#: (1-3 ms, once for all layers of a step). ``mx.compile(shapeless=True)`` is not the way
+#: out (mlx 0.32.4): it cannot trace ``fast_exp``'s bit cast (``View``), and with the cast
+#: replaced by power-of-two multiplies it ran 2x slower (a 256-token chunk over 2,600 tokens)
+#: and crashed on the broadcast masks.
+COMPILED_SHAPES = 64
+
+
+@lru_cache(maxsize=COMPILED_SHAPES)
+def _compiled(int8_scales: bool, shapes: tuple[tuple[int, ...], ...]) -> Callable:
+    return mx.compile(_weights_int8 if int8_scales else _weights)
 
 
 def grouped_attention(
@@ -98,12 +115,12 @@ def grouped_attention(
     scores = (rows @ mx.swapaxes(k, -1, -2)).astype(mx.float32)
     scores = scores.reshape(b, kv_heads, group, length, tokens)
     if k_scales is None:
-        weights, sums = _weights(scores, mask)
+        weights, sums = _compiled(False, (scores.shape, mask.shape))(scores, mask)
     else:
         per_token = (b, kv_heads, 1, 1, tokens)
-        weights, sums = _weights_int8(scores, mask,
-                                      k_scales.astype(mx.float32).reshape(per_token),
-                                      v_scales.astype(mx.float32).reshape(per_token))
+        weights, sums = _compiled(True, (scores.shape, mask.shape))(
+            scores, mask, k_scales.astype(mx.float32).reshape(per_token),
+            v_scales.astype(mx.float32).reshape(per_token))
     weights = weights.reshape(b, kv_heads, group * length, tokens).astype(v.dtype)
     out = (weights @ v).astype(mx.float32) / sums.reshape(b, kv_heads, group * length, 1)
     return out.reshape(b, heads, length, d).astype(q.dtype)

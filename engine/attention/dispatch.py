@@ -127,7 +127,7 @@ def reference_prefill(
         length = q.shape[2]
         # query i (at position context_len - length + i) sees positions <= its own
         mask = (mx.arange(context_len)[None, :]
-                <= mx.arange(context_len - length, context_len)[:, None])
+                <= mx.arange(context_len - length, context_len)[:, None])[None, None, None]
         return _cpu_attention(q, k_pool, v_pool, block_table[None], context_len, mask, scale,
                               k_scales, v_scales)
     k = gather_kv(k_pool, k_scales, block_table[None], q.dtype)[:, :, :context_len]
