@@ -229,6 +229,40 @@ def test_a_pinned_chat_is_evicted_last() -> None:
     check_invariants(alloc, [newcomer])
 
 
+def test_a_chat_put_to_sleep_while_a_request_holds_its_blocks_leaves_when_released() -> None:
+    """Sleep and delete come from the app at any moment: while the chat's own last step still
+    holds its table, or while a request sharing its prefix runs (the app's title request is
+    the chat's first exchange plus a question). Those blocks leave the pool as soon as the
+    last holder releases them; a prompt that takes one first keeps it cached."""
+    alloc = BlockAllocator(8, 2)
+    chat = [1, 2, 3, 4, 5]
+    table = BlockTable("chat")
+    alloc.append(table, chat)
+    alloc.mark_computed(table)
+    alloc.free(table)
+    title = BlockTable("title")
+    assert alloc.reuse_prefix(title, [*chat[:4], 7, 7, 7]) == 4  # holds both cached blocks
+    disk_sync.put_to_sleep(None, alloc, chat)
+    assert disk_sync.residency(alloc, None, chat).in_memory == 2  # held: not yet
+    check_invariants(alloc, [title])
+    alloc.free(title)
+    assert disk_sync.residency(alloc, None, chat).in_memory == 0
+    assert not alloc.drop_when_released
+    check_invariants(alloc, [])
+
+    table = BlockTable("chat")
+    alloc.append(table, chat)
+    alloc.mark_computed(table)
+    disk_sync.forget(None, alloc, chat)  # deleted while its step still holds it
+    woken = BlockTable("chat-again")
+    assert alloc.reuse_prefix(woken, chat) == 4  # ... and a prompt takes it first: it stays
+    alloc.free(table)
+    check_invariants(alloc, [woken])
+    alloc.free(woken)
+    assert disk_sync.residency(alloc, None, chat).in_memory == 2
+    check_invariants(alloc, [])
+
+
 # ---------------------------------------------------------------------------------------------
 # The engine on the default model
 # ---------------------------------------------------------------------------------------------
@@ -506,6 +540,16 @@ def test_a_chats_context_is_shown_put_to_sleep_and_forgotten(warm, prompt, expec
         wait_until(lambda: where().in_memory == n)
         assert where().state == "memory"
         engine.sleep_context(prompt)  # out of the pool, still on disk
+        wait_until(lambda: where().in_memory == 0)
+        assert where().state == "disk"
+        # put to sleep while a request sharing its prefix runs: out when that one ends
+        handle = engine.submit(prompt_tokens=[*prompt, *expected[:3]],
+                               params=SamplingParams(temperature=0.0, max_tokens=48))
+        events = iter(handle)
+        assert isinstance(next(events), TokenEvent)
+        assert where().in_memory == n  # read back for it
+        engine.sleep_context(prompt)
+        assert isinstance(list(events)[-1], FinalEvent)
         wait_until(lambda: where().in_memory == 0)
         assert where().state == "disk"
         other = prompt[: 2 * BS + 1]  # another chat sharing the first two blocks

@@ -61,6 +61,11 @@ class BlockAllocator:
         #: eviction passes over these while any other cached block is evictable.
         self._pins: dict[str, frozenset[int]] = {}
         self.pinned: frozenset[int] = frozenset()
+        #: Cached blocks a chat put to sleep or deleted asked to drop while a request still
+        #: held them (that chat's own last step, or a request sharing its prefix such as the
+        #: app's title request): they leave the pool when their last holder releases them,
+        #: unless a new prompt takes them first (``reuse_prefix``: someone wants them again).
+        self.drop_when_released: set[int] = set()
 
     # ---- capacity -------------------------------------------------------------------------
 
@@ -105,6 +110,7 @@ class BlockAllocator:
             if block is None or self._tokens[block] != chunk:
                 break
             self._evictable.pop(block, None)
+            self.drop_when_released.discard(block)  # wanted again: it stays cached
             self._hold(block, table.owner)
             table.blocks.append(block)
             table.tokens.extend(chunk)
@@ -133,18 +139,28 @@ class BlockAllocator:
         self._evictable[block] = None
         return block
 
-    def drop_cached(self, h: int) -> int | None:
-        """Forget the cached block named ``h`` if no table holds it (a chat put to sleep or
-        deleted): back to the free list. Returns the block, or None."""
+    def drop_cached(self, h: int, when_released: bool = False) -> int | None:
+        """Forget the cached block named ``h`` (a chat put to sleep or deleted): back to the
+        free list if no table holds it; otherwise, with ``when_released``, as soon as the
+        last table holding it lets go (``drop_when_released``). Returns the block freed now,
+        or None."""
         block = self.prefix_index.block_for(h)
-        if block is None or self._refcount[block]:
+        if block is None:
+            return None
+        if self._refcount[block]:
+            if when_released:
+                self.drop_when_released.add(block)
             return None
         del self._evictable[block]
+        self._forget_block(block)
+        return block
+
+    def _forget_block(self, block: int) -> None:
+        """An unheld cached block leaves the prefix cache for the free list."""
         self.prefix_index.drop(block)
         self._tokens[block] = ()
         self._fill[block] = 0
         self._free.append(block)
-        return block
 
     def pin(self, key: str, hashes: Sequence[int] | None) -> None:
         """Keep the cached blocks named ``hashes`` in the pool (a chat kept warm), replacing
@@ -455,7 +471,10 @@ class BlockAllocator:
             if not mine[0]:
                 del usage[owner]
         if refs == 0:
-            if self.prefix_index.is_named(block):
+            if block in self.drop_when_released:
+                self.drop_when_released.discard(block)
+                self._forget_block(block)
+            elif self.prefix_index.is_named(block):
                 self._evictable[block] = None  # most recently used at the end
             else:
                 self._tokens[block] = ()

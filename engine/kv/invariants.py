@@ -48,6 +48,9 @@ def check_invariants(alloc: BlockAllocator, tables: Iterable[BlockTable]) -> Non
             assert not alloc.is_cached(block), f"free block {block} keeps a hash"
         if block in evictable:
             assert alloc.is_cached(block), f"evictable block {block} has no hash"
+    for block in alloc.drop_when_released:
+        assert refcounts[block] > 0 and alloc.is_cached(block), \
+            f"block {block} waits to be dropped but is not a held cached block"
     full = [b for b in range(alloc.num_blocks) if alloc.fill(b) == bs]
     alloc.prefix_index.check_invariants(pending, full)
     check_snapshot_state(alloc, tables)

@@ -92,8 +92,10 @@ class DiskSync:
         todo: list[tuple[int, int, tuple[int, ...]]] = []
         while log and len(todo) < max_blocks and (wait or self.tier.has_room):
             block, h = log.popleft()
-            # Still that content (not evicted and reused since), and not on disk yet.
-            if index.block_for(h) == block and self.tier.wants(h):
+            # Still that content (not evicted and reused since), not on disk yet, and not
+            # leaving (put to sleep: saved already; deleted: must not come back).
+            if (index.block_for(h) == block and self.tier.wants(h)
+                    and block not in self.alloc.drop_when_released):
                 todo.append((block, h, self.alloc.block_tokens(block)))
         self._save(todo)
 
@@ -214,23 +216,26 @@ def residency(alloc: BlockAllocator, tier: DiskTier | None, tokens: Sequence[int
 
 def put_to_sleep(sync: DiskSync | None, alloc: BlockAllocator, tokens: Sequence[int]) -> None:
     """Release a conversation's cached blocks from the pool (engine thread): with the disk
-    tier on they are written first, so it is read back later instead of recomputed."""
+    tier on they are written first, so it is read back later instead of recomputed. Blocks a
+    request still holds (the chat's own last step, a request sharing its prefix such as the
+    app's title request) leave when it releases them."""
     hashes = full_block_hashes(tokens, alloc.block_size)
     if sync is not None:
         sync.save_cached(hashes)
     for h in hashes:
-        alloc.drop_cached(h)
+        alloc.drop_cached(h, when_released=True)
 
 
 def forget(sync: DiskSync | None, alloc: BlockAllocator, tokens: Sequence[int],
            keep: Sequence[Sequence[int]] = ()) -> None:
     """Delete a conversation's blocks that none of ``keep`` (the other chats) shares: from
-    the pool's cache (unless a running request holds them) and from the disk tier."""
+    the pool's cache (those a running request holds when it releases them) and from the disk
+    tier."""
     kept: set[int] = set()
     for other in keep:
         kept.update(full_block_hashes(other, alloc.block_size))
     mine = [h for h in full_block_hashes(tokens, alloc.block_size) if h not in kept]
     for h in mine:
-        alloc.drop_cached(h)
+        alloc.drop_cached(h, when_released=True)
     if sync is not None:
         sync.tier.delete(mine)
