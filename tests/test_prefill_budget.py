@@ -66,6 +66,57 @@ def test_a_prompt_too_costly_for_one_step_skips_steps_and_still_advances():
     assert sum(ratios[10:]) / len(ratios[10:]) <= 2.0 + 0.1
 
 
+def test_a_banked_chunk_never_passes_the_peak_and_the_prompt_keeps_its_share():
+    """The CPU's profile at a long paste (bench/results/paste.md): a chunk re-reads its
+    context, so even the smallest chunk at 2,000+ tokens costs more than one step's allowance
+    and the prompt skips steps. Spending the whole bank at once made chunks of 15 tokens and
+    steps of 2.4-2.6 decode steps, growing with the context (the streams' p99); capped at the
+    peak (``PEAK_OVER_TARGET`` times the target), the chunks are smaller, the bank keeps what
+    they leave, and the prompt advances about as fast, at the target on average."""
+    budget = PrefillBudget(max_chunk=256, min_chunk=8, target=2.0)
+    decode = 0.05
+    budget.observe(decode, decode_rows=4, prompt_tokens=0)
+    ratios, context = [], 2000
+    for _ in range(60):
+        n = budget.budget(decoding=True, context=context)
+        if budget.holding:
+            n = 0
+        step = decode + ((0.00002 * context + 0.002 * n) if n else 0.0)
+        budget.observe(step, decode_rows=4, prompt_tokens=n, prompt_context=context + n / 2)
+        context += n
+        ratios.append(step / decode)
+    late = ratios[10:]
+    assert max(late) <= 2.4, [round(r, 2) for r in ratios]
+    assert sum(late) / len(late) <= 2.0 + 0.05
+    assert context - 2000 >= 420  # the uncapped budget took 454 tokens in these 60 steps
+
+
+def test_a_smallest_chunk_past_the_peak_runs_alone_as_soon_as_the_bank_pays():
+    """Twice the context cost: 8 tokens at 2,000+ tokens of context cost 1.9 decode steps
+    of their own, past the peak. The prompt then runs its smallest chunk whenever its bank
+    covers it (every other step), not after the most steps it may skip (a first cut of the
+    peak waited ``MAX_SKIPPED_STEPS`` each time and the paste took 1.2x longer)."""
+    budget = PrefillBudget(max_chunk=256, min_chunk=8, target=2.0)
+    decode = 0.05
+    budget.observe(decode, decode_rows=4, prompt_tokens=0)
+    taken, context = [], 2000
+    for _ in range(60):
+        n = budget.budget(decoding=True, context=context)
+        if budget.holding:
+            n = 0
+        step = decode + ((0.00004 * context + 0.002 * n) if n else 0.0)
+        budget.observe(step, decode_rows=4, prompt_tokens=n, prompt_context=context + n / 2)
+        context += n
+        taken.append(n)
+    late = taken[10:]
+    assert set(late) == {0, 8}, late
+    run = longest = 0
+    for n in late:
+        run = run + 1 if n == 0 else 0
+        longest = max(longest, run)
+    assert longest == 1 and late.count(8) >= len(late) // 2 - 1, late
+
+
 def test_the_chunk_follows_its_cost_at_the_context_it_is_read_at():
     """A token at 3,000 tokens of context costs 4x one at 0 (attention over the context). A
     short chat's prompt arrives between the paste's chunks: a cost learned from the short
