@@ -66,25 +66,34 @@ def test_a_prompt_too_costly_for_one_step_skips_steps_and_still_advances():
     assert sum(ratios[10:]) / len(ratios[10:]) <= 2.0 + 0.1
 
 
-def test_a_banked_chunk_never_passes_the_peak_and_the_prompt_keeps_its_share():
-    """The CPU's profile at a long paste (bench/results/paste.md): a chunk re-reads its
-    context, so even the smallest chunk at 2,000+ tokens costs more than one step's allowance
-    and the prompt skips steps. Spending the whole bank at once made chunks of 15 tokens and
-    steps of 2.4-2.6 decode steps, growing with the context (the streams' p99); capped at the
-    peak (``PEAK_OVER_TARGET`` times the target), the chunks are smaller, the bank keeps what
-    they leave, and the prompt advances about as fast, at the target on average."""
+def long_paste(context_cost: float, steps: int = 60) -> tuple[list[float], list[int], int]:
+    """A paste from 2,000 tokens of context on, beside four decodes (the CPU's profile,
+    bench/results/paste.md): a chunk re-reads its context (``context_cost`` seconds per token
+    of it) and each of its tokens costs 2 ms; a decode step 50 ms. Returns the step times
+    over a decode step, the tokens each step took, and the context reached."""
     budget = PrefillBudget(max_chunk=256, min_chunk=8, target=2.0)
     decode = 0.05
     budget.observe(decode, decode_rows=4, prompt_tokens=0)
-    ratios, context = [], 2000
-    for _ in range(60):
+    ratios, taken, context = [], [], 2000
+    for _ in range(steps):
         n = budget.budget(decoding=True, context=context)
         if budget.holding:
             n = 0
-        step = decode + ((0.00002 * context + 0.002 * n) if n else 0.0)
+        step = decode + ((context_cost * context + 0.002 * n) if n else 0.0)
         budget.observe(step, decode_rows=4, prompt_tokens=n, prompt_context=context + n / 2)
         context += n
         ratios.append(step / decode)
+        taken.append(n)
+    return ratios, taken, context
+
+
+def test_a_banked_chunk_never_passes_the_peak_and_the_prompt_keeps_its_share():
+    """Even the smallest chunk costs more than one step's allowance, so the prompt skips
+    steps. Spending the whole bank at once made chunks of 15 tokens and steps of 2.4-2.6
+    decode steps, growing with the context (the streams' p99); capped at the peak
+    (``PEAK_OVER_TARGET`` times the target), the chunks are smaller, the bank keeps what they
+    leave, and the prompt advances about as fast, at the target on average."""
+    ratios, _, context = long_paste(context_cost=0.00002)
     late = ratios[10:]
     assert max(late) <= 2.4, [round(r, 2) for r in ratios]
     assert sum(late) / len(late) <= 2.0 + 0.05
@@ -92,22 +101,10 @@ def test_a_banked_chunk_never_passes_the_peak_and_the_prompt_keeps_its_share():
 
 
 def test_a_smallest_chunk_past_the_peak_runs_alone_as_soon_as_the_bank_pays():
-    """Twice the context cost: 8 tokens at 2,000+ tokens of context cost 1.9 decode steps
-    of their own, past the peak. The prompt then runs its smallest chunk whenever its bank
-    covers it (every other step), not after the most steps it may skip (a first cut of the
-    peak waited ``MAX_SKIPPED_STEPS`` each time and the paste took 1.2x longer)."""
-    budget = PrefillBudget(max_chunk=256, min_chunk=8, target=2.0)
-    decode = 0.05
-    budget.observe(decode, decode_rows=4, prompt_tokens=0)
-    taken, context = [], 2000
-    for _ in range(60):
-        n = budget.budget(decoding=True, context=context)
-        if budget.holding:
-            n = 0
-        step = decode + ((0.00004 * context + 0.002 * n) if n else 0.0)
-        budget.observe(step, decode_rows=4, prompt_tokens=n, prompt_context=context + n / 2)
-        context += n
-        taken.append(n)
+    """Twice the context cost: 8 tokens cost 1.9 decode steps of their own, past the peak.
+    The prompt then runs its smallest chunk whenever its bank covers it (every other step),
+    not after the most steps it may skip (``MAX_SKIPPED_STEPS``, as a first cut did)."""
+    _, taken, _ = long_paste(context_cost=0.00004)
     late = taken[10:]
     assert set(late) == {0, 8}, late
     run = longest = 0
