@@ -110,15 +110,13 @@ class PrefillBudget:
         peak = (PEAK_OVER_TARGET * self.target - 1.0) * self.decode_s
         credit = self._banked + allowance
         smallest = self._price(self.min_chunk, context, knee)
-        if smallest > credit:  # the bank cannot pay for a chunk yet
-            if self._skipped < MAX_SKIPPED_STEPS:
-                self._skipped += 1
-                self._banked = credit
-                self.holding = True
-                return self._shaped(knee + self.cost.tokens_within(allowance, knee))
-            fits = self._shaped(self.min_chunk)  # the guaranteed share
-        elif smallest > peak:  # paid for, but even the smallest chunk passes the peak
-            fits = self._shaped(self.min_chunk)
+        if smallest > credit and self._skipped < MAX_SKIPPED_STEPS:  # the bank cannot pay yet
+            self._skipped += 1
+            self._banked = credit
+            self.holding = True
+            return self._shaped(knee + self.cost.tokens_within(allowance, knee))
+        if smallest > min(credit, peak):  # the guaranteed share, or a smallest chunk past
+            fits = self._shaped(self.min_chunk)  # the peak that the bank now pays for
         else:
             fits = self._shaped(knee + self.cost.tokens_within(min(credit, peak),
                                                                context + knee))
