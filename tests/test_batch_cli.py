@@ -102,7 +102,7 @@ class OneByOne:
     def fetch(self, rows: list[dict], in_flight: int) -> None:
         """Send the rows' requests ``in_flight`` at a time, each still its own HTTP request
         (the server batches them as it batches any clients': the 500-line test's 500 replies
-        one after another took about 530 s of CI's 2-core machine, a sixth of the suite)."""
+        one after another took about 530 s on a 2-core machine like CI's, a sixth of the suite)."""
         with ThreadPoolExecutor(in_flight) as pool:
             list(pool.map(self, rows))
 
