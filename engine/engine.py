@@ -13,6 +13,7 @@ telemetry (engine/runner/step.py, engine/runner/output.py, engine/runner/telemet
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import queue
@@ -76,8 +77,13 @@ class Engine:
         self.status = EngineStatus.STOPPED
         self.load_error: str | None = None
         self.model_info: ModelInfo | None = None
-        #: Everything the loaded model runs on (engine/loading.py); None until loaded.
+        #: Everything the loaded model runs on (engine/loading.py); None until loaded, and
+        #: again once the engine thread has ended (its memory is given back at stop).
         self.runtime: Runtime | None = None
+        #: What outlives a stop, for the queries and the checks at the door: the loaded
+        #: model's tokenizer and its disk tier's files (None until loaded; no device memory).
+        self._loaded_tokenizer = None
+        self._disk_tier = None
         self.telemetry = Telemetry()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -95,7 +101,7 @@ class Engine:
             self.telemetry = Telemetry()
             # A restart loads the model and allocates the pool afresh: let the old ones go
             # first, so memory never holds two of each.
-            self.runtime = self.model_info = None
+            self.runtime = self.model_info = self._loaded_tokenizer = self._disk_tier = None
             self.status = EngineStatus.LOADING
             self._thread = threading.Thread(target=self._run, name="pagedchat-engine",
                                             daemon=True)
@@ -162,14 +168,14 @@ class Engine:
             raise ValueError(f"beam_width must be at most the engine's max_batch "
                              f"({self.config.max_batch}): the beams decode side by side in one "
                              f"batch, got {params.beam_width}")
-        runtime = self.runtime
-        if runtime is not None:
-            check_top_k(params, vocab_size(runtime.loaded.tokenizer))
-            if params.beam_search and not runtime.model_info.paged:
+        tokenizer, info = self._loaded_tokenizer, self.model_info
+        if tokenizer is not None and info is not None:
+            check_top_k(params, vocab_size(tokenizer))
+            if params.beam_search and not info.paged:
                 raise ValueError("beam search needs the paged KV pool, and this model runs on "
                                  "mlx-lm's own cache: set beam_width to 1")
             if params.constraint is not None:  # a grammar the compiler refuses: refused here
-                grammars_for(runtime.loaded.tokenizer).check(params.constraint)
+                grammars_for(tokenizer).check(params.constraint)
         with self._lock:
             if not self._started:
                 raise RuntimeError("the engine is not running: call start() first")
@@ -242,9 +248,9 @@ class Engine:
 
     def clear_disk_cache(self) -> None:
         """Delete every file of the disk tier (every model's); no-op when it is off."""
-        runtime = self.runtime
-        if runtime is not None and runtime.disk is not None:
-            runtime.disk.tier.clear()
+        tier = self._disk_tier
+        if tier is not None:
+            tier.clear()
 
     def _request_cancel(self, handle: RequestHandle) -> None:
         self._inbox.put(inbox.Cancel(handle=handle))
@@ -261,10 +267,10 @@ class Engine:
 
     def count_tokens(self, messages: Seq[dict]) -> int:
         """Prompt tokens of ``messages`` after the chat template (0 before the model loads)."""
-        runtime = self.runtime
-        if runtime is None:
+        tokenizer = self._loaded_tokenizer
+        if tokenizer is None:
             return 0
-        return len(apply_template(runtime.loaded.tokenizer, checked_messages(messages)))
+        return len(apply_template(tokenizer, checked_messages(messages)))
 
     def encode_chat(self, messages: Seq[dict], add_generation_prompt: bool = True,
                     tools: Seq[dict] | None = None) -> list[int]:
@@ -288,16 +294,16 @@ class Engine:
 
     def decode(self, token_ids: Seq[int]) -> str:
         """The text of ``token_ids`` ("" before the model loads)."""
-        runtime = self.runtime
-        if runtime is None:
+        tokenizer = self._loaded_tokenizer
+        if tokenizer is None:
             return ""
-        return runtime.loaded.tokenizer.decode(list(token_ids))
+        return tokenizer.decode(list(token_ids))
 
     def _tokenizer(self):
-        runtime = self.runtime
-        if runtime is None:
+        tokenizer = self._loaded_tokenizer
+        if tokenizer is None:
             raise RuntimeError("the model is not loaded yet")
-        return runtime.loaded.tokenizer
+        return tokenizer
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -305,6 +311,15 @@ class Engine:
         try:
             self._serve()
         finally:
+            # A stopped engine gives its memory back at once: no weights, no pool (its
+            # tokenizer, model_info and disk tier's files stay, for queries). The
+            # runtime's parts hold callbacks into each other (bound methods), so dropping
+            # it leaves cycles that only the cyclic collector frees, whenever it happens to
+            # run: the app's model switch loaded the new model beside the old one, and an
+            # engine of the default model kept its 770 MiB after stop() until a
+            # gc.collect(). So the collector runs once here, as the thread ends.
+            self.runtime = None
+            gc.collect()
             # MLX keeps per-thread streams; left to the thread's exit they are torn down
             # after the interpreter has started finalizing, which aborted scripts at exit
             # ("terminate called without an active exception", rc 134). MLX's maintainers
@@ -315,6 +330,8 @@ class Engine:
         try:
             self.runtime = rt = load_runtime(self.config, self.telemetry,
                                              wake=self._wake)
+            self._loaded_tokenizer = rt.loaded.tokenizer
+            self._disk_tier = rt.disk.tier if rt.disk is not None else None
             self.model_info = rt.model_info
             self._publish(force=True)
         except Exception as e:  # the message is for the user; the traceback for the log

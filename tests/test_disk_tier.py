@@ -303,16 +303,19 @@ def generate(engine: Engine, prompt: list[int], **kw) -> tuple[list[int], FinalE
 
 def run(cfg: EngineConfig, prompt: list[int], **kw):
     """One chat turn on a fresh engine (a restart), stopped after it; the allocator's
-    invariants are checked on the idle engine."""
+    invariants are checked on the idle engine. Returns the engine's runtime too: a stopped
+    engine drops it (engine/engine.py), and a test reading the pool after the stop keeps
+    it alive through this reference."""
     engine = Engine(cfg)
     engine.start()
     assert engine.wait_ready(120), engine.load_error
+    runtime = engine.runtime
     try:
         tokens, final = generate(engine, prompt, **kw)
     finally:
         engine.stop()
-    check_invariants(engine.runtime.alloc, [])
-    return tokens, final, engine
+    check_invariants(runtime.alloc, [])
+    return tokens, final, engine, runtime
 
 
 def full_blocks(prompt: list[int]) -> int:
@@ -324,7 +327,7 @@ def warm(tmp_path_factory, prompt, expected) -> Path:
     """A cache folder holding the prompt's blocks, written by an engine that prefilled the
     whole prompt (and wrote its blocks before it stopped)."""
     folder = tmp_path_factory.mktemp("warm")
-    tokens, final, engine = run(config(folder), prompt)
+    tokens, final, engine, _ = run(config(folder), prompt)
     assert tokens == expected
     assert final.usage.cached_prompt_tokens == 0
     assert engine.snapshot().disk.writes >= full_blocks(prompt)
@@ -350,7 +353,7 @@ def block_file(root: Path, prompt: list[int], index: int) -> Path:
 
 def test_a_restarted_engine_reads_the_prompt_back_and_replies_the_same(
         warm, prompt, expected, tmp_path) -> None:
-    tokens, final, engine = run(config(copy_of(warm, tmp_path)), prompt)
+    tokens, final, engine, _ = run(config(copy_of(warm, tmp_path)), prompt)
     assert tokens == expected
     restored = full_blocks(prompt) * BS
     assert final.usage.disk_prompt_tokens == final.usage.cached_prompt_tokens == restored
@@ -367,8 +370,9 @@ def test_a_read_back_beside_a_streaming_chat_is_written_a_few_blocks_a_step(
     engine = Engine(config(copy_of(warm, tmp_path)))
     engine.start()
     assert engine.wait_ready(120), engine.load_error
+    runtime = engine.runtime
     try:
-        pool = engine.runtime.pool
+        pool = runtime.pool
         written: list[int] = []
         write_blocks = pool.write_blocks
 
@@ -397,7 +401,7 @@ def test_a_read_back_beside_a_streaming_chat_is_written_a_few_blocks_a_step(
     # Every block came from disk, one a step: the shared opening one(s) for the other chat
     # (it found them on disk too), the rest for this one.
     assert written == [1] * full_blocks(prompt)
-    check_invariants(engine.runtime.alloc, [])
+    check_invariants(runtime.alloc, [])
 
 
 def test_damaged_truncated_and_foreign_files_are_recomputed_never_used(
@@ -409,7 +413,7 @@ def test_damaged_truncated_and_foreign_files_are_recomputed_never_used(
     damaged.write_bytes(bytes(data))
     truncated = block_file(root, prompt, 3)
     truncated.write_bytes(truncated.read_bytes()[:-100])
-    tokens, final, engine = run(config(root), prompt)
+    tokens, final, engine, _ = run(config(root), prompt)
     assert tokens == expected
     assert final.usage.disk_prompt_tokens == BS  # block 0 only: block 1 failed its check
     assert engine.snapshot().disk.discarded == 2
@@ -419,7 +423,7 @@ def test_damaged_truncated_and_foreign_files_are_recomputed_never_used(
     blob = bytearray(first.read_bytes())
     blob[10:26] = b"another model..."  # the fingerprint in its header
     first.write_bytes(bytes(blob))
-    tokens, final, engine = run(config(root), prompt)
+    tokens, final, engine, _ = run(config(root), prompt)
     assert tokens == expected
     assert final.usage.disk_prompt_tokens == 0 and engine.snapshot().disk.discarded == 1
 
@@ -460,7 +464,7 @@ def test_a_kill_during_spilling_leaves_nothing_half_read(prompt, expected, tmp_p
     names = [p.name for p in model_folder(root).iterdir()]
     assert sum(n.endswith(disk_format.TMP_SUFFIX) for n in names) == 1  # killed mid-write
     assert sum(n.endswith(disk_format.SUFFIX) for n in names) == 2
-    tokens, final, engine = run(config(root), prompt)
+    tokens, final, engine, _ = run(config(root), prompt)
     assert tokens == expected
     assert final.usage.disk_prompt_tokens == 2 * BS
     assert not any(p.name.endswith(disk_format.TMP_SUFFIX)
@@ -474,14 +478,14 @@ def test_a_full_disk_or_an_unwritable_folder_only_costs_a_recompute(
 
     with monkeypatch.context() as m:
         m.setattr(disk_format, "write_atomically", disk_full)
-        tokens, _, engine = run(config(tmp_path / "full"), prompt)
+        tokens, _, engine, _ = run(config(tmp_path / "full"), prompt)
     assert tokens == expected
     stats = engine.snapshot().disk
     assert stats.errors >= full_blocks(prompt) and stats.writes == 0
     assert stats.error.count("No space left") == 1  # one message, however many errors
     blocker = tmp_path / "a file"
     blocker.write_text("the cache folder's parent is a file")
-    tokens, _, engine = run(config(blocker / "kv"), prompt)
+    tokens, _, engine, _ = run(config(blocker / "kv"), prompt)
     assert tokens == expected
     stats = engine.snapshot().disk
     assert stats.error and not stats.writable and stats.errors == 1
@@ -495,18 +499,18 @@ def test_a_full_writer_queue_delays_blocks_never_drops_them(prompt, expected, tm
     from engine.kv import disk_tier
 
     monkeypatch.setattr(disk_tier, "MAX_QUEUED_BYTES", 1)
-    _, _, engine = run(config(tmp_path / "kv"), prompt)
+    _, _, engine, _ = run(config(tmp_path / "kv"), prompt)
     assert engine.snapshot().disk.writes >= full_blocks(prompt)
-    tokens, final, _ = run(config(tmp_path / "kv"), prompt)
+    tokens, final, _, _ = run(config(tmp_path / "kv"), prompt)
     assert tokens == expected
     assert final.usage.disk_prompt_tokens == full_blocks(prompt) * BS
 
 
 def test_int8_blocks_round_trip_through_the_disk(prompt, tmp_path) -> None:
     cfg = config(tmp_path / "kv8", kv_precision="int8")
-    first, final, _ = run(cfg, prompt)
+    first, final, _, _ = run(cfg, prompt)
     assert final.usage.cached_prompt_tokens == 0
-    again, final, engine = run(cfg, prompt)
+    again, final, engine, _ = run(cfg, prompt)
     assert engine.model_info.kv_dtype == "int8"
     assert final.usage.disk_prompt_tokens == full_blocks(prompt) * BS
     assert again == first  # the very bytes the first engine quantized
@@ -514,13 +518,13 @@ def test_int8_blocks_round_trip_through_the_disk(prompt, tmp_path) -> None:
 
 def test_an_incognito_chat_writes_nothing_and_leaves_zeros(prompt, expected, tmp_path) -> None:
     root = tmp_path / "kv"
-    tokens, final, engine = run(config(root), prompt, incognito=True)
+    tokens, final, engine, runtime = run(config(root), prompt, incognito=True)
     assert tokens == expected
     stats = engine.snapshot().disk
     assert stats.writes == 0 and not list(model_folder(root).iterdir())
     assert not any(engine.snapshot().cached)
     assert engine.snapshot().sessions["default"].incognito  # the monitor can mark it
-    pool = engine.runtime.pool
+    pool = runtime.pool  # kept alive by this reference: the stopped engine let go of it
     # every block zeroed (the scratch block, last, takes padding rows' writes: not a chat's)
     assert all(not mx.any(a[:-1]).item() for a in pool.arrays())
 
@@ -531,6 +535,7 @@ def test_a_chats_context_is_shown_put_to_sleep_and_forgotten(warm, prompt, expec
     engine = Engine(config(root))
     engine.start()
     assert engine.wait_ready(120), engine.load_error
+    alloc = engine.runtime.alloc  # a stopped engine drops its runtime (engine/engine.py)
     try:
         n = full_blocks(prompt)
         where = lambda: engine.context_residency(prompt)  # noqa: E731
@@ -561,7 +566,7 @@ def test_a_chats_context_is_shown_put_to_sleep_and_forgotten(warm, prompt, expec
         assert tokens == expected and final.usage.disk_prompt_tokens == 2 * BS
     finally:
         engine.stop()
-    check_invariants(engine.runtime.alloc, [])
+    check_invariants(alloc, [])
 
 
 def test_a_chat_that_just_answered_is_in_memory(prompt) -> None:

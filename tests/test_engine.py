@@ -6,6 +6,9 @@ References come from a separate model instance, computed while the engine is idl
 
 from __future__ import annotations
 
+import gc
+
+import mlx.core as mx
 import pytest
 
 from engine import (
@@ -324,6 +327,30 @@ def test_small_pool_preempts_and_every_chat_still_matches() -> None:
         assert finals[0].finish_reason is not FinishReason.ERROR, finals[0].error
         assert tokens[0] == expected[i], f"chat {i} changed after preemption"
     assert snap.used_blocks == 0
+
+
+def test_a_stopped_engine_gives_its_model_and_pool_back_at_once() -> None:
+    """The app's model switch stops one engine, then starts the next: the old model and pool
+    must be freed by stop(), not whenever the cyclic garbage collector next runs (the
+    runtime's parts hold callbacks into each other; the switch loaded the new model beside
+    the old one). Automatic collection is off here, and the test keeps its own reference to
+    the stopped engine, as the app's bridge does while it starts the next."""
+    gc.collect()
+    before = mx.get_active_memory()
+    gc.disable()
+    try:
+        eng = Engine(EngineConfig(kv_memory_mib=32, block_size=16, max_batch=4))
+        eng.start()
+        assert eng.wait_ready(600), eng.load_error
+        collect(eng.submit(messages=user("Hi"),
+                           params=SamplingParams(temperature=0.0, max_tokens=4)))
+        loaded = mx.get_active_memory() - before
+        assert loaded > 100 * 2**20  # the weights and the pool
+        eng.stop()
+        assert eng.runtime is None and eng.status == "stopped"
+        assert mx.get_active_memory() - before < 0.02 * loaded
+    finally:
+        gc.enable()
 
 
 def test_failed_load_answers_requests_with_the_load_error(tmp_path) -> None:
