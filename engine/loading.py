@@ -120,7 +120,8 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry,
     overlap = overlap_steps(cfg, on_gpu)
     stepper = StepRunner(scheduler, pool, paged_model, output, telemetry, prefill,
                          overlap=overlap,
-                         speculator=Speculator(enabled=speculative_drafts(cfg, overlap)))
+                         speculator=Speculator(enabled=speculative_drafts(cfg, overlap),
+                                               overlapped=overlap))
     info = ModelInfo(
         name=loaded.name,
         model_type=loaded.model_type,

@@ -280,8 +280,8 @@ class StepRunner:
         self.carry.last = Launched(list(plan.works), fanout, seqs, rows, tokens, layout, state,
                                    next_state, self._launches, constrained=bool(constrained),
                                    logprobs=logprobs, beams=beams, drafts=drafts,
-                                   host_tokens=self.overlap and any(
-                                       self.speculator.wants_host_tokens(s) for s in seqs))
+                                   host_tokens=self.overlap
+                                   and self.speculator.wants_host_step(seqs))
         return self.carry.last
 
     def _constrain(self, logits: mx.array, seqs: list[Sequence], rows: list[int]) -> mx.array:

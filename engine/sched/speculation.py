@@ -48,6 +48,21 @@ the overlap for the whole batch. A lookup that finds no draft backs the asking o
 synchronously every step. A synchronous engine (the CPU) is asked every step anyway and
 looks up every step: the lookup is a few dict probes.
 
+**The batch decides, overlapped** (:meth:`Speculator.wants_host_step`, what the step runner
+asks). The lost overlap is one price for the whole step, a *switch*, not a price per draft
+row: measured on the H100 (bench/results/speculative_gpu.md), pricing it per row split it
+among however many drafts a step carried, so sampled chats drafted at a loss (one chat
+0.92x, 8 chats 0.77x), and each row probed on its own clock (8 chats: up to 8 synchronous
+steps in 16). So, overlapped, a step gives its overlap up only when the expected kept
+tokens of the rows that would draft, at a step's share ``T / N`` each, pay for the switch
+``S`` (``StepCost.switch_s``: a drafting step's time over a plain one, less its rows) and
+their rows; probes, and a new sequence's first look, wait for the batch's *beat* (every
+``PROBE_EVERY`` launches), so one synchronous step serves every row whose probe is due. A
+draft row itself is priced at ``PRIOR_ROW_SHARE`` of a step there (a GPU's step is bound by
+its launches, not by a few more rows), so a row among ``N`` drafts while ``a**j``
+exceeds ``PRIOR_ROW_SHARE * N``. A step that kept several drafts, all of them, still
+probes again at once (a copy in progress).
+
 Pure bookkeeping (no MLX): the scheduler's draft slots ask :meth:`Speculator.propose`
 while planning (engine/sched/draft_slots.py), the step runner reports what was accepted
 (engine/runner/drafting.py) and how long steps took (engine/runner/step.py).
@@ -179,9 +194,13 @@ class StepCost:
         self._plain: deque[float] = deque(maxlen=self.WINDOW)  # steps of decodes, no drafts
         self._rows: deque[int] = deque(maxlen=self.WINDOW)  # their decode rows
         self._extra: deque[float] = deque(maxlen=self.WINDOW)  # per draft row, over plain
+        self._switch: deque[float] = deque(maxlen=self.WINDOW)  # per drafting step, less rows
         self.plain_s: float | None = None
         self.rows: float | None = None
         self.row_s: float | None = None
+        #: what a drafting step costs over a plain one beside its rows (overlapped: mostly
+        #: the lost overlap); None until a drafting step is measured
+        self.switch_s: float | None = None
 
     def observe(self, step_s: float, decode_rows: int, draft_rows: int) -> None:
         if draft_rows == 0:
@@ -190,13 +209,21 @@ class StepCost:
             self.plain_s = statistics.median(self._plain)
             self.rows = statistics.median(self._rows)
         elif self.plain_s is not None:
-            self._extra.append(max(step_s - self.plain_s, 0.0) / draft_rows)
+            extra = max(step_s - self.plain_s, 0.0)
+            self._extra.append(extra / draft_rows)
             self.row_s = statistics.median(self._extra)
+            rows_s = PRIOR_ROW_SHARE * self.plain_s * draft_rows
+            self._switch.append(max(extra - rows_s, 0.0))
+            self.switch_s = statistics.median(self._switch)
 
-    def threshold(self) -> float:
-        """``c * N / T``: the expected tokens a draft row must add to pay for itself."""
+    def threshold(self, overlapped: bool = False) -> float:
+        """``c * N / T``: the expected tokens a draft row must add to pay for itself.
+        ``overlapped``: ``c`` is ``PRIOR_ROW_SHARE`` of a step (the switch is priced per
+        step, :meth:`Speculator.wants_host_step`)."""
         if self.plain_s is None or not self.rows:
             return PRIOR_ROW_SHARE
+        if overlapped:
+            return PRIOR_ROW_SHARE * self.rows
         row_s = self.row_s if self.row_s is not None else PRIOR_ROW_SHARE * self.plain_s
         return row_s * self.rows / max(self.plain_s, 1e-9)
 
@@ -205,9 +232,14 @@ class Speculator:
     """Drafts for the engine's decoding sequences and their adaptive lengths (the public
     counters are the telemetry's, engine/runner/telemetry.py)."""
 
-    def __init__(self, enabled: bool = True, max_draft: int = MAX_DRAFT) -> None:
+    def __init__(self, enabled: bool = True, max_draft: int = MAX_DRAFT,
+                 overlapped: bool = False) -> None:
+        """overlapped: the engine launches a step before reading the previous one (a GPU):
+        the batch decides when to give the overlap up (:meth:`wants_host_step`)."""
         self.enabled = enabled
         self.max_draft = max_draft
+        self.overlapped = overlapped
+        self._launches = 0  # steps launched, for the probes' shared beat (overlapped)
         self.cost = StepCost()
         self._states: dict[int, DraftState] = {}  # by seq_id
         self._by_prompt: dict[int, dict[int, Sequence]] = {}  # prompt key -> seq_id -> seq
@@ -238,6 +270,45 @@ class Speculator:
             return False  # its lookups missed lately
         return self.draft_length(state) > 0 or state.probe_due(upcoming)
 
+    def wants_host_step(self, seqs: list[Sequence]) -> bool:
+        """Overlapped: whether the step being launched should have its rows' newest tokens
+        read before the next one is planned (that step may then draft, and the batch gives
+        its overlap up): when the rows that would draft are expected to keep enough tokens
+        to pay for the switch, on the probes' beat when a probe is due, or after a step that
+        kept all of several drafts (see the module's docstring). Called once per launch."""
+        if not self.enabled:
+            return False
+        self._launches += 1
+        beat = self._launches % PROBE_EVERY == 0
+        gain, drafts = 0.0, 0
+        for seq in seqs:
+            if not self.eligible(seq):
+                continue
+            state = self._states.get(seq.seq_id)
+            if state is None:  # its first look waits for the beat
+                if beat:
+                    return True
+                continue
+            upcoming = seq.num_generated + 1
+            if upcoming < state.next_look:
+                continue  # its lookups missed lately
+            if state.kept_all:
+                return True  # a copy in progress
+            k = self.draft_length(state)
+            if k:
+                a = state.acceptance
+                gain += sum(a ** j for j in range(1, k + 1))
+                drafts += k
+            elif beat and state.probe_due(upcoming):
+                return True
+        cost = self.cost
+        if not gain or cost.plain_s is None or not cost.rows:
+            return False  # plain steps are measured first
+        if cost.switch_s is None:
+            return True  # no drafting step measured yet: this one measures the switch
+        price = cost.switch_s + PRIOR_ROW_SHARE * cost.plain_s * drafts
+        return gain * cost.plain_s / cost.rows >= price
+
     # ---- proposing --------------------------------------------------------------------------
 
     def propose(self, seq: Sequence) -> list[int]:
@@ -266,7 +337,7 @@ class Speculator:
     def draft_length(self, state: DraftState) -> int:
         """The largest j with ``a**j > threshold`` (capped at ``max_draft``)."""
         a = state.acceptance
-        gamma = self.cost.threshold()
+        gamma = self.cost.threshold(self.overlapped)
         if a <= gamma or a <= 0.0:
             return 0
         if a >= 1.0 or gamma <= 0.0:
