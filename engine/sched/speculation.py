@@ -50,10 +50,12 @@ looks up every step: the lookup is a few dict probes.
 
 **The batch decides, overlapped** (:meth:`Speculator.wants_host_step`, what the step runner
 asks). The lost overlap is one price for the whole step, a *switch*, not a price per draft
-row: measured on the H100 (bench/results/speculative_gpu.md), pricing it per row split it
-among however many drafts a step carried, so sampled chats drafted at a loss (one chat
-0.92x, 8 chats 0.77x), and each row probed on its own clock (8 chats: up to 8 synchronous
-steps in 16). So, overlapped, a step gives its overlap up only when the expected kept
+row: priced per row, it was split among however many drafts a step carried, and each row
+probed on its own clock (8 chats: up to 8 synchronous steps in 16). On the H100 drafting
+forced on lost on every sampled workload (one chat 0.92x, 8 chats 0.77x); this rule did
+not measurably change that (bench/results/speculative_gpu.md: the synchronous steps it
+removes are not the main cost there), which is why drafting stays off by default where
+steps overlap. So, overlapped, a step gives its overlap up only when the expected kept
 tokens of the rows that would draft, at a step's share ``T / N`` each, pay for the switch
 ``S`` (``StepCost.switch_s``: a drafting step's time over a plain one, less its rows) and
 their rows; probes, and a new sequence's first look, wait for the batch's *beat* (every
