@@ -41,7 +41,7 @@ of consultations stopped for good once a sequence stopped drafting there.
 
 **The host token's price.** Overlapped, a step launched while the previous one runs cannot
 draft: its drafts follow a token still on the device. So a sequence that may draft asks for
-its newest token on the host (:meth:`Speculator.wants_host_tokens`), and that step gives up
+its newest token on the host (:meth:`Speculator.wants_host_step`), and that step gives up
 the overlap for the whole batch. A lookup that finds no draft backs the asking off: after
 ``m`` misses in a row the sequence asks again only ``2**(m-1)`` tokens later (at most
 ``PROBE_EVERY``), so a chat whose text never repeats runs overlapped almost always instead of
@@ -258,20 +258,6 @@ class Speculator:
                 and params.constraint is None and params.logprobs is None
                 and params.seed is None and seq.num_generated >= 1)
 
-    def wants_host_tokens(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s next step should have its newest token on the host (an
-        overlapped step cannot draft: the drafts follow that token)."""
-        if not self.eligible(seq):
-            return False
-        state = self._states.get(seq.seq_id)
-        if state is None:
-            return True
-        # the token being sampled now counts: the next step is the one that may draft
-        upcoming = seq.num_generated + 1
-        if upcoming < state.next_look:
-            return False  # its lookups missed lately
-        return self.draft_length(state) > 0 or state.probe_due(upcoming)
-
     def wants_host_step(self, seqs: list[Sequence]) -> bool:
         """Overlapped: whether the step being launched should have its rows' newest tokens
         read before the next one is planned (that step may then draft, and the batch gives
@@ -292,17 +278,18 @@ class Speculator:
                     return True
                 continue
             upcoming = seq.num_generated + 1
-            if upcoming < state.next_look:
-                continue  # its lookups missed lately
             if state.kept_all:
                 return True  # a copy in progress
+            if beat and state.probe_due(upcoming):
+                return True  # before the misses' back-off: both keep time every
+                # PROBE_EVERY, and out of phase they would never meet
+            if upcoming < state.next_look:
+                continue  # its lookups missed lately
             k = self.draft_length(state)
             if k:
                 a = state.acceptance
                 gain += sum(a ** j for j in range(1, k + 1))
                 drafts += k
-            elif beat and state.probe_due(upcoming):
-                return True
         cost = self.cost
         if not gain or cost.plain_s is None or not cost.rows:
             return False  # plain steps are measured first
