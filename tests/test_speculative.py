@@ -378,7 +378,7 @@ def test_a_chat_that_never_repeats_keeps_the_overlap(priced):
     fresh = list(range(5000, 5200))  # no token of it occurs twice, nor in the prompt
     seq = sibling(3, fresh[:1])
     speculator._state(seq)
-    # priced in: its expected kept tokens pay the switch (none measured), so it asks
+    # priced in: its expected kept tokens pay the switch (measured at nothing), so it asks
     assert speculator.wants_host_step([seq]) == (priced == "in")
     drafted_at, synchronous = overlapped_run(speculator, seq, fresh)
     assert not drafted_at
