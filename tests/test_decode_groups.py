@@ -176,3 +176,58 @@ def test_padding_is_kept_for_bucketed_shapes():
     batch = build_step_batch(works)
     assert batch.num_decode == bucket(5) and batch.padding == 1
     assert step_batch.BUCKET_SHAPES
+
+
+def test_drafts_laid_out_as_decode_rows_attend_as_their_chunk_does_and_as_float64():
+    """A work verifying k drafts becomes k + 1 decode rows of one table (the kernel path's
+    layout: engine/runner/step_batch.py), the j-th row over the first start + 1 + j tokens.
+    Both layouts of one step, the chunk one and the decode one, must attend alike, and each
+    row as the float64 oracle over its own causal prefix."""
+    rng = random.Random(7)
+    heads, head_dim = 6, 16
+    lengths = [40, 300, 5, 77]  # each sequence's tokens, its fed ones (and drafts) included
+    k_pool, v_pool, tables, contiguous = scattered_pool(rng, lengths, BLOCK, 2, head_dim)
+    pool = KVPool(KVShape(num_layers=1, num_kv_heads=2, head_dim=head_dim,
+                          dtype=mx.float32), k_pool.shape[0], BLOCK)
+    pool.keys[0] = mx.concatenate([mx.array(k_pool), pool.keys[0][-1:]])
+    pool.values[0] = mx.concatenate([mx.array(v_pool), pool.values[0][-1:]])
+    drafts = [3, 0, 4, 8]  # a plain decode beside three verifying works
+    works = []
+    for n, table, k in zip(lengths, tables, drafts):
+        start = n - 1 - k
+        slots = [(table[p // BLOCK], p % BLOCK) for p in range(start, n)]
+        works.append(SequenceWork([7] * (k + 1), start, table, slots,
+                                  drafts=tuple([7] * k)))
+    q = np.random.default_rng(5).standard_normal(
+        (sum(d + 1 for d in drafts), heads, 1, head_dim)).astype(np.float32)
+    firsts = np.cumsum([0] + [d + 1 for d in drafts])  # each work's queries in q
+
+    outputs = {}
+    for as_decodes in (False, True):
+        batch = build_step_batch(works, drafts_as_decodes=as_decodes)
+        rows_q = np.zeros((batch.tokens.shape[0], heads, 1, head_dim), np.float32)
+        for w, row in enumerate(batch.work_rows):
+            rows_q[row:row + drafts[w] + 1] = q[firsts[w]:firsts[w + 1]]
+        cache = PagedLayerCache(pool, 0, use_kernel=False)
+        cache.batch = batch
+        out = np.array(cache.attend(mx.array(rows_q), scale=0.25))
+        outputs[as_decodes] = [out[row:row + drafts[w] + 1]
+                               for w, row in enumerate(batch.work_rows)]
+        if as_decodes:
+            assert not batch.prefills, "every verifying work must be decode rows"
+            assert batch.num_decode == bucket(sum(d + 1 for d in drafts))
+            lens = np.array(batch.decode_lens)
+            for w, row in enumerate(batch.work_rows):
+                start = lengths[w] - 1 - drafts[w]
+                assert list(lens[row:row + drafts[w] + 1]) == [
+                    start + 1 + j for j in range(drafts[w] + 1)]
+        else:
+            assert len(batch.prefills) == 3
+    for w in range(len(works)):
+        keys, values = contiguous[w]
+        want = naive_attention(q[firsts[w]:firsts[w + 1], :, 0].swapaxes(0, 1),
+                               keys, values, 0.25)  # [H, k + 1, D]: the last k + 1 of n
+        got = outputs[True][w][:, :, 0].swapaxes(0, 1)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(got, outputs[False][w][:, :, 0].swapaxes(0, 1),
+                                   atol=2e-6, rtol=1e-5)

@@ -593,3 +593,42 @@ def test_a_step_slowed_by_the_machine_is_not_read_as_the_price_of_drafts():
         else:
             cost.observe(0.070 + jitter + spike, decode_rows=3, draft_rows=0)
     assert cost.threshold() == pytest.approx(4 * 3 / 70, rel=0.25)
+
+
+@pytest.mark.model
+def test_drafts_verified_as_decode_rows_give_mlx_lm_greedy_replies(monkeypatch):
+    """Where the decode attention is a kernel, a verifying work is laid out as decode rows
+    (engine/runner/step_batch.py). Forced here onto the CPU's reference decode path, which
+    takes any rows: the replies must still be mlx-lm's, through rollbacks and siblings."""
+    from engine.runner import step_batch
+    from engine.runner.model_adapter import PagedModel
+
+    monkeypatch.setattr(PagedModel, "decode_kernel", property(lambda self: True))
+    verified_as_decodes = []
+    real_build = step_batch.build_step_batch
+
+    def build(works, bucketed=None, drafts_as_decodes=False):
+        batch = real_build(works, bucketed, drafts_as_decodes)
+        if drafts_as_decodes and any(w.drafts for w in works):
+            verified_as_decodes.append(len(batch.prefills))
+        return batch
+
+    import engine.runner.step as step_module
+    monkeypatch.setattr(step_module, "build_step_batch", build)
+    eng = Engine(EngineConfig(kv_memory_mib=48, block_size=16, max_batch=8, prefill_chunk=256,
+                              speculative=True))
+    eng.start()
+    try:
+        assert eng.wait_ready(600), eng.load_error
+        prompt = chat_prompt(EDIT)
+        tokens, _ = collect(eng.submit(
+            prompt_tokens=prompt, params=SamplingParams(temperature=0.0, max_tokens=40, n=2),
+            session_id="as-decodes"))
+        expected = greedy_reference(prompt, 40)
+        assert [tokens[0], tokens[1]] == [expected, expected]
+        assert counters(eng).accepted_draft_tokens > 10
+        assert verified_as_decodes and not any(verified_as_decodes), (
+            "no verifying step went through the decode rows: the test exercises nothing")
+        idle_invariants(eng)
+    finally:
+        eng.stop()

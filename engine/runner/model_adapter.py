@@ -164,6 +164,7 @@ class PagedModel:
         self.pool = pool
         _install_attention_router(model)
         self.caches = [PagedLayerCache(pool, i, use_kernel) for i in range(len(model.layers))]
+        self.use_kernel = use_kernel
         inner = _inner_model(model)
         self._row_norm: _RowSelectingNorm | None = None
         if inner is not None and isinstance(getattr(inner, "norm", None), nn.Module):
@@ -199,6 +200,12 @@ class PagedModel:
         if rows.shape[0] != batch.num_logits:  # drop the bucket's repeated rows
             logits = logits[: batch.num_logits]
         return logits[:, -1, :]
+
+    @property
+    def decode_kernel(self) -> bool:
+        """True once a step has run the decode attention on the backend's kernel (False
+        before the first step, or where the kernel does not handle the model's shapes)."""
+        return bool(self.use_kernel and self.caches and self.caches[0]._kernel_ok)
 
     def written(self) -> list[mx.array]:
         """The pool arrays a step wrote (lazy until evaluated): evaluating them runs a step

@@ -19,6 +19,16 @@ reference path gathers a table's full width for every row of it, so one short ch
 long one would pay for the long one's context. The decode rows, sorted by length, are cut
 into ``DecodeGroup`` runs of rows whose tables have about the same width, and the reference
 path attends group by group (``decode_groups``), each over its own width.
+
+**Drafts as decode rows** (``drafts_as_decodes``, where the decode attention is a kernel): a
+work that verifies drafts (its last token and k drafts, engine/sched/speculation.py) is laid
+out as k + 1 decode rows of its sequence, the j-th attending to the sequence's first
+``start + 1 + j`` tokens through the same block table (every row's K/V is written before the
+layer attends, so a draft row sees the drafts before it). The step then keeps one batched
+decode launch and a bucketed row count, instead of one prefill call per drafting sequence
+whose length (1 to 9 tokens) and table give every drafting step shapes of its own: on a GPU
+that is a new graph and new plans nearly every drafting step. The reference path keeps the
+chunk layout: it would gather the sequence's blocks once per row.
 """
 
 from __future__ import annotations
@@ -108,14 +118,21 @@ class StepBatch:
         return len(self.logit_owners)
 
 
-def build_step_batch(work: Sequence[SequenceWork], bucketed: bool | None = None) -> StepBatch:
+def build_step_batch(work: Sequence[SequenceWork], bucketed: bool | None = None,
+                     drafts_as_decodes: bool = False) -> StepBatch:
     """Lay out a step: one-token works first (shortest context first, one batched decode
     attention on the kernels, one per ``DecodeGroup`` on the reference path), padding rows up
-    to a bucket, then chunks. ``bucketed`` (default ``BUCKET_SHAPES``) pads the shapes."""
+    to a bucket, then chunks. ``bucketed`` (default ``BUCKET_SHAPES``) pads the shapes;
+    ``drafts_as_decodes`` lays a work that verifies drafts out as decode rows (see the module
+    docstring), else as a chunk."""
     fit = bucket if (BUCKET_SHAPES if bucketed is None else bucketed) else _exact
-    decodes = sorted((i for i, w in enumerate(work) if len(w.tokens) == 1),
+
+    def one_query_per_row(w: SequenceWork) -> bool:
+        return len(w.tokens) == 1 or (drafts_as_decodes and bool(w.drafts))
+
+    decodes = sorted((i for i, w in enumerate(work) if one_query_per_row(w)),
                      key=lambda i: len(work[i].blocks))
-    chunks = [i for i, w in enumerate(work) if len(w.tokens) != 1]
+    chunks = [i for i, w in enumerate(work) if not one_query_per_row(w)]
     tokens: list[int] = []
     positions: list[int] = []
     blocks: list[int] = []
@@ -142,7 +159,8 @@ def build_step_batch(work: Sequence[SequenceWork], bucketed: bool | None = None)
 
     for i in decodes:
         place(i)
-    padding = fit(len(decodes)) - len(decodes)
+    decode_rows = len(tokens)
+    padding = fit(decode_rows) - decode_rows
     tokens.extend([0] * padding)  # token 0 at position 0, its K/V to the scratch block
     positions.extend([0] * padding)
     blocks.extend([SCRATCH_BLOCK] * padding)
@@ -161,10 +179,13 @@ def build_step_batch(work: Sequence[SequenceWork], bucketed: bool | None = None)
     decode_tables = decode_lens = None
     groups: tuple[DecodeGroup, ...] = ()
     if decodes:
-        widths = [len(work[i].blocks) for i in decodes]
+        # One table row and one length per decode row: a verify work's j-th row attends to
+        # its sequence's first start + 1 + j tokens (its own draft's K/V written this step).
+        rows_of = [(i, j) for i in decodes for j in range(len(work[i].tokens))]
+        widths = [len(work[i].blocks) for i, _ in rows_of]
         width = fit(widths[-1])
-        table = [list(work[i].blocks) + [0] * (width - len(work[i].blocks)) for i in decodes]
-        lens = [work[i].start + 1 for i in decodes]
+        table = [list(work[i].blocks) + [0] * (width - len(work[i].blocks)) for i, _ in rows_of]
+        lens = [work[i].start + 1 + j for i, j in rows_of]
         # Padding rows read one slot of block 0 (their output is dropped): in bounds for
         # every kernel, which the scratch block's negative id would not be.
         table.extend([[0] * width] * padding)
@@ -179,7 +200,7 @@ def build_step_batch(work: Sequence[SequenceWork], bucketed: bool | None = None)
         positions=mx.array(positions, dtype=mx.int32),
         write_blocks=mx.array(blocks, dtype=mx.int32),
         write_offsets=mx.array(offsets, dtype=mx.int32),
-        num_decode=len(decodes) + padding,
+        num_decode=decode_rows + padding,
         decode_tables=decode_tables,
         decode_lens=decode_lens,
         prefills=tuple(prefills),
