@@ -87,9 +87,10 @@ class EngineConfig:
         measured cost, so drafting stops where it does not pay. Outputs are unchanged
         (greedy: the same tokens; sampled: the same distributions). False: never draft.
         None decides by backend: on where steps run synchronously (the CPU), off where they
-        overlap (a GPU): a drafting step gives up the overlap and the stable decode shapes
-        there, and on the H100 drafting won the editing workload (2.15x) but lost every
-        sampled one (one chat 0.92x, 8 chats 0.77x: bench/results/speculative_gpu.md, §3.13).
+        overlap (a GPU): a drafting step gives up the overlap there, and on the H100 drafting
+        wins the editing workload (2.8-3.7x) but still loses on sampled chats in about half
+        the runs (with its verify rows as decode rows: one chat 0.94-1.11x, 8 chats
+        0.92-0.99x, regenerate x3 0.95-0.96x; bench/results/speculative_gpu.md, §3.13).
     """
 
     model: str = "default"
