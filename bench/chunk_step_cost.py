@@ -2,7 +2,9 @@
 profile): four chats decoding at 150-300 tokens of context, alone and with a chunk of n
 prompt tokens at a given context, and the chunk alone. A chunk at context 0 shows what its
 tokens cost of their own (the MLP's matmuls); the same chunk at 3,200 tokens shows what
-re-reading the context adds.
+re-reading the context adds. Each step is timed on both CPU attention paths, interleaved:
+the MLX formulation (engine/attention/cpu_sdpa.py) and the compiled kernel
+(engine/attention/cpu_kernel.py).
 
     source scripts/env.sh; .venv/bin/python -m bench.chunk_step_cost [--model default]
 """
@@ -15,6 +17,7 @@ import time
 
 import mlx.core as mx
 
+from engine.attention import cpu_kernel
 from engine.kv.pool import KVPool
 from engine.models.resolve import load_model
 from engine.runner.architecture import probe_kv_shape
@@ -38,7 +41,10 @@ def main() -> None:
         pool.keys[layer] = mx.random.normal(pool.keys[layer].shape).astype(shape.dtype)
         pool.values[layer] = mx.random.normal(pool.values[layer].shape).astype(shape.dtype)
     mx.eval(pool.keys, pool.values)
-    paged = PagedModel(model, pool, use_kernel=False)
+    if not cpu_kernel.ready():
+        raise SystemExit("the CPU kernel does not build here (see the log)")
+    paths = {"mlx": PagedModel(model, pool, use_kernel=False),
+             "kernel": PagedModel(model, pool, use_kernel=False, cpu_kernel=True)}
     next_block = [0]
 
     def table(tokens: int) -> list[int]:
@@ -58,24 +64,34 @@ def main() -> None:
                             [(t[p // BLOCK], p % BLOCK) for p in range(ctx, ctx + n)],
                             want_logits=False)
 
-    def median_ms(works: list[SequenceWork]) -> float:
-        mx.eval(paged.forward(build_step_batch(works)))  # warm up (compiles, plans)
-        times = []
+    def median_ms(works: list[SequenceWork]) -> dict[str, float]:
+        """Median step time (ms) on each path, the paths alternating repeat by repeat."""
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for paged in paths.values():  # warm up (compiles, plans)
+            mx.eval(paged.forward(build_step_batch(works)), pool.keys, pool.values)
         for _ in range(args.repeats):
-            batch = build_step_batch(works)
-            t0 = time.perf_counter()
-            mx.eval(paged.forward(batch), pool.keys, pool.values)
-            times.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(times)
+            for name, paged in paths.items():
+                batch = build_step_batch(works)
+                t0 = time.perf_counter()
+                out = paged.forward(batch)
+                mx.eval(*([] if out is None else [out]), pool.keys, pool.values)
+                times[name].append(time.perf_counter() - t0)
+        return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
     base = median_ms(decodes)
-    print(f"4 decodes: {base:.0f} ms")
+    print("| step | MLX formulation, ms | over its 4 decodes | kernel, ms | over its 4 decodes |"
+          " kernel / MLX |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+
+    def row(label: str, t: dict[str, float]) -> None:
+        print(f"| {label} | {t['mlx']:.0f} | {t['mlx'] / base['mlx']:.2f}x | {t['kernel']:.0f} | "
+              f"{t['kernel'] / base['kernel']:.2f}x | {t['kernel'] / t['mlx']:.2f}x |", flush=True)
+
+    row("4 decodes (contexts 150-300)", base)
     for ctx, n in CHUNKS:
         c = chunk(ctx, n)
-        mixed, alone = median_ms([*decodes, c]), median_ms([c])
-        print(f"4 decodes + {n} prompt tokens at context {ctx}: {mixed:.0f} ms "
-              f"({mixed / base:.2f}x); the chunk alone {alone:.0f} ms")
-
+        row(f"+ {n} prompt tokens at context {ctx:,}", median_ms([*decodes, c]))
+        row(f"{n} prompt tokens at context {ctx:,} alone", median_ms([c]))
 
 if __name__ == "__main__":
     main()

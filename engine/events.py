@@ -299,7 +299,7 @@ class ModelInfo:
     block_size: int
     num_blocks: int
     bytes_per_block: int
-    attention: str  # "cuda-paged", "metal-kernel", "reference" or "mlx-lm" (not paged)
+    attention: str  # "cuda-paged", "metal-kernel", "cpu-paged", "reference" or "mlx-lm" (not paged)
     path: str = ""  # the model folder (its generation_config.json gives sampling defaults)
     #: The K/V element type: the model's own (bf16 weights give a bf16 pool), so the MiB
     #: per block follow the weights, not the compute dtype chosen for the default model.

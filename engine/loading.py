@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.attention import cpu_kernel
 from engine.attention import dispatch as attention
 from engine.config import EngineConfig, blocks_for_budget, overlap_steps, speculative_drafts
 from engine.errors import ModelLoadError, NotPaged
@@ -109,9 +110,14 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry,
         cfg.attention == "auto" and attention.kernel_available()
     )
     pool = KVPool(shape, num_blocks, cfg.block_size)
+    # Where no GPU kernel runs, "auto" takes the compiled CPU kernel when it builds here.
+    on_cpu_kernel = (cfg.attention == "auto" and not use_kernel and attention.on_cpu()
+                     and cpu_kernel.supports(pool.keys[0].dtype, cfg.block_size,
+                                           shape.head_dim) and cpu_kernel.ready())
     alloc = BlockAllocator(num_blocks, cfg.block_size)
     scheduler = Scheduler(alloc, cfg.max_batch, cfg.prefill_chunk)
-    paged_model = PagedModel(loaded.model, pool, use_kernel=use_kernel)
+    paged_model = PagedModel(loaded.model, pool, use_kernel=use_kernel,
+                             cpu_kernel=on_cpu_kernel)
     output = Output(telemetry, set(loaded.tokenizer.eos_token_ids), max_context)
     on_gpu = mx.default_device() == mx.gpu
     # a GPU plans (graphs, matmuls) per token count: chunks keep to bucketed sizes there
@@ -129,7 +135,8 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry,
         block_size=cfg.block_size,
         num_blocks=num_blocks,
         bytes_per_block=pool.bytes_per_block,
-        attention=(attention.kernel_path() or "reference") if use_kernel else "reference",
+        attention=((attention.kernel_path() or "reference") if use_kernel
+                   else "cpu-paged" if on_cpu_kernel else "reference"),
         path=str(loaded.path),
         kv_dtype=kv_dtype_name(shape),
         full_bytes_per_block=full_bytes_per_block,

@@ -30,6 +30,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.attention import cpu_kernel
 from engine.attention import dispatch as attention
 from engine.kv.pool import KVPool
 from engine.runner.step_batch import StepBatch
@@ -47,6 +48,9 @@ class PagedLayerCache:
         self.use_kernel = use_kernel
         self._kernel_ok: bool | None = None
         self.batch: StepBatch | None = None
+        #: The step's items on the host when the CPU kernel attends (engine/attention/
+        #: cpu_kernel.py), set with ``batch``; None: the MLX paths.
+        self.host_layout: cpu_kernel.HostLayout | None = None
 
     @property
     def offset(self) -> mx.array:
@@ -83,6 +87,9 @@ class PagedLayerCache:
         v_pool = self.pool.values[self.layer]
         k_scales, v_scales = self.pool.scales(self.layer)  # None, None unless 8-bit
         sc = {"k_scales": k_scales, "v_scales": v_scales}
+        if self.host_layout is not None:  # the CPU kernel: every row of the step in one call
+            return cpu_kernel.attend(queries, k_pool, v_pool, k_scales, v_scales,
+                                     self.host_layout, scale)
         parts = []
         if b.num_decode:
             q = queries[: b.num_decode]
@@ -159,12 +166,16 @@ def _inner_model(model: nn.Module) -> nn.Module | None:
 class PagedModel:
     """An mlx-lm model bound to a KV pool: one ``forward`` per engine step."""
 
-    def __init__(self, model: nn.Module, pool: KVPool, use_kernel: bool = False) -> None:
+    def __init__(self, model: nn.Module, pool: KVPool, use_kernel: bool = False,
+                 cpu_kernel: bool = False) -> None:
+        """use_kernel: the GPU backend's attention kernels; cpu_kernel: the compiled CPU
+        kernel (engine/attention/cpu_kernel.py), where no GPU kernel runs."""
         self.model = model
         self.pool = pool
         _install_attention_router(model)
         self.caches = [PagedLayerCache(pool, i, use_kernel) for i in range(len(model.layers))]
         self.use_kernel = use_kernel
+        self.cpu_kernel = cpu_kernel and not use_kernel
         inner = _inner_model(model)
         self._row_norm: _RowSelectingNorm | None = None
         if inner is not None and isinstance(getattr(inner, "norm", None), nn.Module):
@@ -182,8 +193,10 @@ class PagedModel:
         ``cudaGraphAddKernelNode ... invalid argument``), and the LM head, not being
         evaluated, costs nothing.
         """
+        layout = cpu_kernel.HostLayout.of(batch) if self.cpu_kernel else None
         for cache in self.caches:
             cache.batch = batch
+            cache.host_layout = layout
         rows = batch.logit_rows
         if self._row_norm is not None:
             last = batch.tokens.shape[0] - 1

@@ -1,0 +1,221 @@
+"""Paged attention on MLX's CPU backend as a compiled kernel (``shaders/paged_attention_cpu.cpp``).
+
+Why: on the CPU the reference path (engine/attention/cpu_sdpa.py) gathers each row's context
+into a contiguous copy, writes a score matrix and passes over it several times; a prompt
+chunk at a long context then costs several decode steps (issue #24's paste: 8 tokens at
+3,600 tokens of context about 2 decode steps of the default model), and a drafting row
+costs about a decode row (issue #28). MLX has no custom-kernel API on its CPU backend, so
+the kernel is C++ built with the system's compiler at first use (cached by the source's
+and the flags' hash) and called through ctypes on the pool's own memory: one call per layer
+for the whole step, every decode row and chunk an *item* read through its block table, the
+work split over the cores by cost. Measured on our 2-core machine (default model's shapes,
+one layer, medians): 14 prompt tokens over 3,200 tokens of context 4.2 ms against 11.7 ms
+for the MLX formulation, 64 over 3,200 16.4 ms against 33.8, 8 over 2,400 3.2 against 7.4,
+a decode row over 300 tokens 0.24 ms against 0.63 (bench/results/paste.md). A first version
+that left its accumulators to the compiler (arrays under ``omp simd``) was slower than the
+MLX formulation, whose products are BLAS matmuls: the kernel's worth is its register
+blocking.
+
+The price: the step's graph is evaluated layer by layer (the kernel reads the pool once the
+layer's writes are in it), which on the CPU costs little (its steps run synchronously and
+each op runs on the CPU anyway). Where no compiler is found or the build fails, the engine
+keeps the MLX formulation (``ready()`` is False; the reason is logged once).
+
+Never used on a GPU backend (the Metal and CUDA kernels serve there), nor under
+``EngineConfig(attention="reference")``, which keeps the oracle path on the CPU too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from engine.attention.plans import shaders_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE_PATH = shaders_root() / "shaders" / "paged_attention_cpu.cpp"
+#: -ffast-math lets the exp and the sums vectorize (the kernel keeps no infinities: its
+#: running maxima start at a finite floor); -march=native is why the cache key holds the
+#: machine's CPU flags.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
+         "-fPIC", "-pthread")
+#: Below this much work (query rows x context tokens x KV heads) a call runs on one thread:
+#: starting a thread costs more than it saves.
+THREAD_MIN_COST = 20_000
+_DTYPES = {mx.float32: 0, mx.bfloat16: 1, mx.float16: 2, mx.int8: 3}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("PAGEDCHAT_KERNEL_CACHE")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "pagedchat" / "cpu_kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def build(source_path: Path = SOURCE_PATH) -> ctypes.CDLL:
+    """Compile ``source_path`` (cached by its hash, the flags, the compiler and the CPU) and
+    load it. Tests build altered sources through it."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
+    source = source_path.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_flags().encode(), platform.machine().encode()]))
+    target = _cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # built beside the target, then renamed: two processes never load a half-written file
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            done = subprocess.run([compiler, *FLAGS, str(source_path), "-o", str(built)],
+                                  capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+            os.replace(built, target)
+    library = ctypes.CDLL(str(target))
+    fn = library.paged_attention_cpu
+    fn.restype = ctypes.c_int
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    fn.argtypes = [i, p, p, p, p, p, p, i, p, p, p, p, i, i, i, i, i, f, i, p]
+    return library
+
+
+def ready() -> bool:
+    """True once the kernel is built and loaded (built on the first call; False for good,
+    with the reason logged once, where it cannot be)."""
+    global _library, _failure
+    with _lock:
+        if _library is None and _failure is None:
+            try:
+                _library = build()
+            except Exception as e:  # no compiler, a failed build, an unloadable library
+                _failure = str(e)
+                logger.warning("CPU attention kernel unavailable, using the MLX formulation: %s",
+                               e)
+        return _library is not None
+
+
+def supports(dtype: mx.Dtype, block_size: int, head_dim: int) -> bool:
+    """Whether the kernel reads a pool of ``dtype`` in blocks of ``block_size`` with heads of
+    ``head_dim`` (a multiple of 4: its lanes)."""
+    return dtype in _DTYPES and block_size in (8, 16, 32) and head_dim % 4 == 0
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """A step's attention items on the host, built once per step for every layer: item i's
+    queries are rows ``q_row[i] .. q_row[i] + q_len[i]``, the last of them attending to
+    ``context[i]`` tokens through ``tables[i]``."""
+
+    tables: np.ndarray  # int32 [items, width]
+    q_row: np.ndarray  # int32 [items]
+    q_len: np.ndarray
+    context: np.ndarray
+    cost: np.ndarray  # int64 [items]: query rows x context (the threads' split)
+    threads: int
+
+    @classmethod
+    def of(cls, batch) -> HostLayout:
+        """The items of a ``StepBatch`` (engine/runner/step_batch.py): each decode row (the
+        padding rows included: one token of block 0), then each prompt chunk."""
+        parts_tables, rows, lens, ctxs = [], [], [], []
+        if batch.num_decode:
+            tables = np.asarray(batch.decode_tables, dtype=np.int32)
+            parts_tables.append(tables)
+            rows.append(np.arange(batch.num_decode, dtype=np.int32))
+            lens.append(np.ones(batch.num_decode, dtype=np.int32))
+            ctxs.append(np.asarray(batch.decode_lens, dtype=np.int32))
+        for chunk in batch.prefills:
+            parts_tables.append(np.asarray(chunk.block_table, dtype=np.int32)[None])
+            rows.append(np.array([chunk.row_start], dtype=np.int32))
+            lens.append(np.array([chunk.length], dtype=np.int32))
+            ctxs.append(np.array([chunk.context_len], dtype=np.int32))
+        width = max(t.shape[1] for t in parts_tables)
+        tables = np.zeros((sum(t.shape[0] for t in parts_tables), width), dtype=np.int32)
+        at = 0
+        for t in parts_tables:
+            tables[at:at + t.shape[0], :t.shape[1]] = t
+            at += t.shape[0]
+        q_len, context = np.concatenate(lens), np.concatenate(ctxs)
+        cost = q_len.astype(np.int64) * context
+        threads = min(os.cpu_count() or 1, 8) if int(cost.sum()) >= THREAD_MIN_COST else 1
+        return cls(tables, np.concatenate(rows), q_len, context, cost, threads)
+
+
+def _host_view(a: mx.array) -> np.ndarray:
+    """The evaluated array's own memory as numpy (no copy; bfloat16 through a uint16 view)."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+        mx.eval(a)
+    view = np.asarray(memoryview(a))
+    if not view.flags.c_contiguous:
+        raise ValueError("the kernel reads row-major arrays only")
+    return view
+
+
+def attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, k_scales: mx.array | None,
+           v_scales: mx.array | None, layout: HostLayout, scale: float,
+           library: ctypes.CDLL | None = None) -> mx.array:
+    """Every row of a step: queries [T, heads, 1, head_dim] -> the same shape and dtype. The
+    pools as engine/attention/dispatch.py describes them (an int8 pool with its scales);
+    ``library``: another build of the kernel (tests), else the one ``ready()`` loaded."""
+    rows, heads, _, head_dim = queries.shape
+    q = queries.reshape(rows, heads, head_dim).astype(mx.float32)
+    arrays = [q, k_pool, v_pool] + ([k_scales, v_scales] if k_scales is not None else [])
+    mx.eval(*arrays)
+    q_host = _host_view(q)
+    k_host, v_host = _host_view(k_pool), _host_view(v_pool)
+    ks = vs = None
+    if k_scales is not None:
+        ks, vs = _host_view(k_scales), _host_view(v_scales)
+    out = np.empty((rows, heads, head_dim), dtype=np.float32)
+    num_blocks, block_size, kv_heads, _ = k_pool.shape
+    del num_blocks
+    status = (library or _library).paged_attention_cpu(
+        _DTYPES[k_pool.dtype], q_host.ctypes.data, k_host.ctypes.data, v_host.ctypes.data,
+        None if ks is None else ks.ctypes.data, None if vs is None else vs.ctypes.data,
+        layout.tables.ctypes.data, layout.tables.shape[1], layout.q_row.ctypes.data,
+        layout.q_len.ctypes.data, layout.context.ctypes.data, layout.cost.ctypes.data,
+        len(layout.q_len), heads, kv_heads, head_dim, block_size, scale, layout.threads,
+        out.ctypes.data)
+    if status != 0:
+        raise RuntimeError(f"the CPU attention kernel failed ({status})")
+    del q_host, k_host, v_host, ks, vs  # no view of the pool outlives the call
+    return mx.array(out).astype(queries.dtype).reshape(rows, heads, 1, head_dim)

@@ -1,0 +1,250 @@
+// Paged attention on the CPU: the Metal and CUDA kernels' design (shaders/README.md) as plain
+// C++, for MLX's CPU backend (engine/attention/cpu_kernel.py builds it with the system's C++
+// compiler and calls it through ctypes).
+//
+// One pass over each item's blocks, straight from the pool through its block table: the
+// scores of a block, an online softmax (one rescale per block, not per token) and P.V, with
+// no gathered copy of K/V, no score matrix in memory and the exp vectorized. An item is a run
+// of consecutive query positions of one sequence: a decode row (one query) or a prompt chunk
+// (L queries, causal among themselves); its queries of one KV head (G = heads / kv_heads of
+// them per position) share every K and V row read. The reference path's MLX formulation
+// (engine/attention/cpu_sdpa.py) gathers the context, writes a score matrix and passes over
+// it several times: at 3,600 tokens of context an 8-token chunk costs it several times this.
+//
+// Pools: [num_blocks, block_size, kv_heads, head_dim] of float32, bfloat16 or float16, or int8
+// with float16 scales [num_blocks, block_size, kv_heads] (engine/kv/int8.py: value = q * s).
+// Queries and output: float32 [rows, heads, head_dim].
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+namespace {
+
+// The running maxima start here: finite, since -ffast-math assumes no infinities, and far
+// below any score, so exp(kNoScore - m) is exactly 0.
+constexpr float kNoScore = -1e30f;
+
+inline float load(const float* p, int i) { return p[i]; }
+inline float load(const uint16_t* p, int i) {  // bfloat16: the high half of a float32
+  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float load(const _Float16* p, int i) { return static_cast<float>(p[i]); }
+inline float load(const int8_t* p, int i) { return static_cast<float>(p[i]); }
+
+struct Args {
+  const float* q;
+  const void* k_pool;
+  const void* v_pool;
+  const _Float16* k_scales;  // null unless int8
+  const _Float16* v_scales;
+  const int32_t* tables;  // [items, width]
+  int width;
+  const int32_t* q_row;  // each item's first query row
+  const int32_t* q_len;  // its query positions
+  const int32_t* context;  // tokens its last query attends to (its own included)
+  int heads, kv_heads, head_dim, block_size;
+  float scale;
+  float* out;
+};
+
+// Four lanes of floats in one register (GCC's and Clang's vector extensions: SSE on x86,
+// NEON on Arm), so that the accumulators below stay in registers, which plain arrays under
+// ``omp simd`` did not (the first version reached 3-5 GFMA/s).
+typedef float v4 __attribute__((vector_size(16)));
+inline v4 splat(float x) { return v4{x, x, x, x}; }
+inline v4 ld(const float* p) { v4 r; std::memcpy(&r, p, sizeof r); return r; }
+inline void st(float* p, v4 v) { std::memcpy(p, &v, sizeof v); }
+
+// Scores of R query rows (qs, stride d_len) against one block's transposed K tile kt[D][BS].
+template <int BS, int R>
+inline void tile_scores(const float* qs, int d_len, const float* kt, float* s) {
+  constexpr int NV = BS / 4;
+  v4 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NV; ++n) acc[r][n] = splat(0.f);
+  for (int i = 0; i < d_len; ++i) {
+    v4 kv[NV];
+    for (int n = 0; n < NV; ++n) kv[n] = ld(kt + i * BS + 4 * n);
+    for (int r = 0; r < R; ++r) {
+      const v4 a = splat(qs[r * d_len + i]);
+      for (int n = 0; n < NV; ++n) acc[r][n] += a * kv[n];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NV; ++n) st(s + r * BS + 4 * n, acc[r][n]);
+}
+
+// ar[0:d_len] = ar * rescale + sum over the block's first ``seen`` tokens of p[o] * vb[o].
+inline void tile_pv(float* ar, float rescale, const float* p, int seen, const float* vb,
+                    int d_len) {
+  int c = 0;
+  for (; c + 32 <= d_len; c += 32) {  // 32 lanes: eight accumulators in registers
+    v4 a[8];
+    const v4 sc = splat(rescale);
+    for (int n = 0; n < 8; ++n) a[n] = ld(ar + c + 4 * n) * sc;
+    for (int o = 0; o < seen; ++o) {
+      const v4 pv = splat(p[o]);
+      const float* vr = vb + o * d_len + c;
+      for (int n = 0; n < 8; ++n) a[n] += pv * ld(vr + 4 * n);
+    }
+    for (int n = 0; n < 8; ++n) st(ar + c + 4 * n, a[n]);
+  }
+  for (; c < d_len; c += 4) {  // head dims that are not a multiple of 32 (a multiple of 4)
+    v4 a = ld(ar + c) * splat(rescale);
+    for (int o = 0; o < seen; ++o) a += splat(p[o]) * ld(vb + o * d_len + c);
+    st(ar + c, a);
+  }
+}
+
+// Item ``it``, KV head ``kh``: every query row of the item for the G heads of ``kh``. Each
+// block's K is widened (and scaled, int8) once into a transposed tile kt[D][BS] and its V
+// into vb[BS][D], shared by all the item's rows: scores are register-blocked FMAs of
+// ``ROWS`` rows over the tile, P.V 32 lanes of a row at a time over the block's tokens.
+template <typename T, int BS>
+void attend_one(const Args& a, int it, int kh, std::vector<float>& buf) {
+  constexpr int ROWS = BS == 8 ? 4 : BS == 16 ? 2 : 1;  // accumulators: ROWS * BS / 4 = 8
+  const int group = a.heads / a.kv_heads, d_len = a.head_dim;
+  const int len = a.q_len[it], ctx = a.context[it], rows = len * group;
+  const int padded = (rows + ROWS - 1) / ROWS * ROWS;
+  buf.resize(static_cast<size_t>(padded) * (2 * d_len + 2 + BS) + 2 * static_cast<size_t>(BS) * d_len);
+  float* qs = buf.data();                                    // [padded, D], scaled
+  float* acc = qs + static_cast<size_t>(padded) * d_len;     // [padded, D]
+  float* row_max = acc + static_cast<size_t>(padded) * d_len;  // [padded]
+  float* row_sum = row_max + padded;                         // [padded]
+  float* sc = row_sum + padded;                              // [padded, BS]
+  float* kt = sc + static_cast<size_t>(padded) * BS;         // [D, BS]
+  float* vb = kt + static_cast<size_t>(BS) * d_len;          // [BS, D]
+  std::fill(qs, qs + static_cast<size_t>(padded) * d_len, 0.f);
+  for (int j = 0; j < len; ++j)
+    for (int g = 0; g < group; ++g) {
+      const float* src = a.q + (static_cast<size_t>(a.q_row[it] + j) * a.heads + kh * group + g) * d_len;
+      float* dst = qs + static_cast<size_t>(j * group + g) * d_len;
+      for (int i = 0; i < d_len; ++i) dst[i] = src[i] * a.scale;
+    }
+  std::fill(acc, acc + static_cast<size_t>(padded) * d_len, 0.f);
+  std::fill(row_max, row_max + padded, kNoScore);
+  std::fill(row_sum, row_sum + padded, 0.f);
+  const T* kp = static_cast<const T*>(a.k_pool);
+  const T* vp = static_cast<const T*>(a.v_pool);
+  const int32_t* table = a.tables + static_cast<size_t>(it) * a.width;
+  const int blocks = (ctx + BS - 1) / BS;
+  for (int bi = 0; bi < blocks; ++bi) {
+    const size_t block = static_cast<size_t>(table[bi]);
+    const int t0 = bi * BS, in_block = std::min(BS, ctx - t0);
+    for (int o = 0; o < BS; ++o) {
+      const size_t slot = (block * BS + o) * a.kv_heads + kh;
+      const T* k = kp + slot * d_len;
+      const T* v = vp + slot * d_len;
+      const bool real = o < in_block;  // the block's slots past the context are not read
+      const float ks = !real ? 0.f : a.k_scales ? static_cast<float>(a.k_scales[slot]) : 1.f;
+      const float vs = !real ? 0.f : a.v_scales ? static_cast<float>(a.v_scales[slot]) : 1.f;
+      for (int i = 0; i < d_len; ++i) {
+        kt[i * BS + o] = real ? load(k, i) * ks : 0.f;
+        vb[o * d_len + i] = real ? load(v, i) * vs : 0.f;
+      }
+    }
+    // the first row that sees any of this block: query j sees positions <= ctx - len + j
+    const int first_row = std::max(0, t0 - (ctx - len)) * group;
+    for (int r0 = first_row / ROWS * ROWS; r0 < rows; r0 += ROWS)
+      tile_scores<BS, ROWS>(qs + static_cast<size_t>(r0) * d_len, d_len, kt,
+                            sc + static_cast<size_t>(r0) * BS);
+    for (int r = first_row; r < rows; ++r) {
+      const int j = r / group;
+      const int seen = std::min(in_block, ctx - len + j + 1 - t0);
+      float* s = sc + static_cast<size_t>(r) * BS;
+      float m = row_max[r];
+      for (int o = 0; o < seen; ++o) m = std::max(m, s[o]);
+      const float rescale = std::exp(row_max[r] - m);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int o = 0; o < BS; ++o) {
+        s[o] = o < seen ? std::exp(s[o] - m) : 0.f;
+        sum += s[o];
+      }
+      row_sum[r] = row_sum[r] * rescale + sum;
+      row_max[r] = m;
+      tile_pv(acc + static_cast<size_t>(r) * d_len, rescale, s, seen, vb, d_len);
+    }
+  }
+  for (int j = 0; j < len; ++j)
+    for (int g = 0; g < group; ++g) {
+      const int r = j * group + g;
+      float* dst = a.out + (static_cast<size_t>(a.q_row[it] + j) * a.heads + kh * group + g) * d_len;
+      const float inv = 1.f / row_sum[r];
+      const float* ar = acc + static_cast<size_t>(r) * d_len;
+      for (int i = 0; i < d_len; ++i) dst[i] = ar[i] * inv;
+    }
+}
+
+// The (item, KV head) pairs [first, last) of the call, in order.
+template <typename T>
+void attend_range(const Args& a, int first, int last) {
+  std::vector<float> buf;
+  for (int w = first; w < last; ++w) {
+    const int it = w / a.kv_heads, kh = w % a.kv_heads;
+    switch (a.block_size) {  // the block size as a constant: the score tile stays in registers
+      case 8: attend_one<T, 8>(a, it, kh, buf); break;
+      case 16: attend_one<T, 16>(a, it, kh, buf); break;
+      default: attend_one<T, 32>(a, it, kh, buf); break;
+    }
+  }
+}
+
+template <typename T>
+void attend(const Args& a, int items, int threads, const int64_t* cost) {
+  const int pairs = items * a.kv_heads;
+  if (threads <= 1 || pairs < 2) {
+    attend_range<T>(a, 0, pairs);
+    return;
+  }
+  // Split the pairs into ``threads`` runs of about equal cost (query rows x context).
+  int64_t total = 0;
+  for (int it = 0; it < items; ++it) total += cost[it] * a.kv_heads;
+  std::vector<int> cuts{0};
+  int64_t run = 0;
+  for (int w = 0; w < pairs && static_cast<int>(cuts.size()) < threads; ++w) {
+    run += cost[w / a.kv_heads];
+    if (run * threads >= total * static_cast<int64_t>(cuts.size())) cuts.push_back(w + 1);
+  }
+  if (cuts.back() != pairs) cuts.push_back(pairs);
+  std::vector<std::thread> workers;
+  for (size_t c = 1; c + 1 < cuts.size(); ++c)
+    workers.emplace_back(attend_range<T>, std::cref(a), cuts[c], cuts[c + 1]);
+  attend_range<T>(a, cuts[0], cuts[1]);
+  for (auto& t : workers) t.join();
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16, 2 float16, 3 int8 (with scales). ``cost``: per item, its
+// query rows times its context (how the work is split among ``threads``). Returns 0, -1 for
+// an unknown dtype, -2 for a block size other than 8, 16 or 32.
+int paged_attention_cpu(int dtype, const float* q, const void* k_pool, const void* v_pool,
+                        const void* k_scales, const void* v_scales, const int32_t* tables,
+                        int width, const int32_t* q_row, const int32_t* q_len,
+                        const int32_t* context, const int64_t* cost, int items, int heads,
+                        int kv_heads, int head_dim, int block_size, float scale, int threads,
+                        float* out) {
+  Args a{q, k_pool, v_pool, static_cast<const _Float16*>(k_scales),
+         static_cast<const _Float16*>(v_scales), tables, width, q_row, q_len, context,
+         heads, kv_heads, head_dim, block_size, scale, out};
+  if (block_size != 8 && block_size != 16 && block_size != 32) return -2;
+  switch (dtype) {
+    case 0: attend<float>(a, items, threads, cost); return 0;
+    case 1: attend<uint16_t>(a, items, threads, cost); return 0;
+    case 2: attend<_Float16>(a, items, threads, cost); return 0;
+    case 3: attend<int8_t>(a, items, threads, cost); return 0;
+    default: return -1;
+  }
+}
+
+}  // extern "C"
