@@ -103,15 +103,17 @@ inline void tile_pv(float* ar, float rescale, const float* p, int seen, const fl
   }
 }
 
-// Item ``it``, KV head ``kh``: every query row of the item for the G heads of ``kh``. Each
-// block's K is widened (and scaled, int8) once into a transposed tile kt[D][BS] and its V
-// into vb[BS][D], shared by all the item's rows: scores are register-blocked FMAs of
-// ``ROWS`` rows over the tile, P.V 32 lanes of a row at a time over the block's tokens.
+// Item ``it``, KV head ``kh``, query positions [jb, je) of the item: their rows for the G
+// heads of ``kh``. Each block's K is widened (and scaled, int8) once into a transposed tile
+// kt[D][BS] and its V into vb[BS][D], shared by all these rows: scores are register-blocked
+// FMAs of ``ROWS`` rows over the tile, P.V 32 lanes of a row at a time over the block's
+// tokens.
 template <typename T, int BS>
-void attend_one(const Args& a, int it, int kh, std::vector<float>& buf) {
+void attend_one(const Args& a, int it, int kh, int jb, int je, std::vector<float>& buf) {
   constexpr int ROWS = BS == 8 ? 4 : BS == 16 ? 2 : 1;  // accumulators: ROWS * BS / 4 = 8
   const int group = a.heads / a.kv_heads, d_len = a.head_dim;
-  const int len = a.q_len[it], ctx = a.context[it], rows = len * group;
+  const int len = a.q_len[it], ctx = a.context[it], rows = (je - jb) * group;
+  const int before = ctx - len;  // query j sits at position before + j, sees up to it
   const int padded = (rows + ROWS - 1) / ROWS * ROWS;
   buf.resize(static_cast<size_t>(padded) * (2 * d_len + 2 + BS) + 2 * static_cast<size_t>(BS) * d_len);
   float* qs = buf.data();                                    // [padded, D], scaled
@@ -122,10 +124,10 @@ void attend_one(const Args& a, int it, int kh, std::vector<float>& buf) {
   float* kt = sc + static_cast<size_t>(padded) * BS;         // [D, BS]
   float* vb = kt + static_cast<size_t>(BS) * d_len;          // [BS, D]
   std::fill(qs, qs + static_cast<size_t>(padded) * d_len, 0.f);
-  for (int j = 0; j < len; ++j)
+  for (int j = jb; j < je; ++j)
     for (int g = 0; g < group; ++g) {
       const float* src = a.q + (static_cast<size_t>(a.q_row[it] + j) * a.heads + kh * group + g) * d_len;
-      float* dst = qs + static_cast<size_t>(j * group + g) * d_len;
+      float* dst = qs + static_cast<size_t>((j - jb) * group + g) * d_len;
       for (int i = 0; i < d_len; ++i) dst[i] = src[i] * a.scale;
     }
   std::fill(acc, acc + static_cast<size_t>(padded) * d_len, 0.f);
@@ -134,7 +136,7 @@ void attend_one(const Args& a, int it, int kh, std::vector<float>& buf) {
   const T* kp = static_cast<const T*>(a.k_pool);
   const T* vp = static_cast<const T*>(a.v_pool);
   const int32_t* table = a.tables + static_cast<size_t>(it) * a.width;
-  const int blocks = (ctx + BS - 1) / BS;
+  const int blocks = (before + je + BS - 1) / BS;  // what the last of these queries sees
   for (int bi = 0; bi < blocks; ++bi) {
     const size_t block = static_cast<size_t>(table[bi]);
     const int t0 = bi * BS, in_block = std::min(BS, ctx - t0);
@@ -150,14 +152,14 @@ void attend_one(const Args& a, int it, int kh, std::vector<float>& buf) {
         vb[o * d_len + i] = real ? load(v, i) * vs : 0.f;
       }
     }
-    // the first row that sees any of this block: query j sees positions <= ctx - len + j
-    const int first_row = std::max(0, t0 - (ctx - len)) * group;
+    // the first row that sees any of this block: query j sees positions <= before + j
+    const int first_row = std::max(0, t0 - before - jb) * group;
     for (int r0 = first_row / ROWS * ROWS; r0 < rows; r0 += ROWS)
       tile_scores<BS, ROWS>(qs + static_cast<size_t>(r0) * d_len, d_len, kt,
                             sc + static_cast<size_t>(r0) * BS);
     for (int r = first_row; r < rows; ++r) {
-      const int j = r / group;
-      const int seen = std::min(in_block, ctx - len + j + 1 - t0);
+      const int j = jb + r / group;
+      const int seen = std::min(in_block, before + j + 1 - t0);
       float* s = sc + static_cast<size_t>(r) * BS;
       float m = row_max[r];
       for (int o = 0; o < seen; ++o) m = std::max(m, s[o]);
@@ -173,9 +175,9 @@ void attend_one(const Args& a, int it, int kh, std::vector<float>& buf) {
       tile_pv(acc + static_cast<size_t>(r) * d_len, rescale, s, seen, vb, d_len);
     }
   }
-  for (int j = 0; j < len; ++j)
+  for (int j = jb; j < je; ++j)
     for (int g = 0; g < group; ++g) {
-      const int r = j * group + g;
+      const int r = (j - jb) * group + g;
       float* dst = a.out + (static_cast<size_t>(a.q_row[it] + j) * a.heads + kh * group + g) * d_len;
       const float inv = 1.f / row_sum[r];
       const float* ar = acc + static_cast<size_t>(r) * d_len;
@@ -183,41 +185,59 @@ void attend_one(const Args& a, int it, int kh, std::vector<float>& buf) {
     }
 }
 
-// The (item, KV head) pairs [first, last) of the call, in order.
+// A share of one call's work: query positions [jb, je) of item ``it`` for KV head ``kh``.
+struct Unit {
+  int it, kh, jb, je;
+  int64_t cost;
+};
+
 template <typename T>
-void attend_range(const Args& a, int first, int last) {
+void attend_units(const Args& a, const Unit* first, const Unit* last) {
   std::vector<float> buf;
-  for (int w = first; w < last; ++w) {
-    const int it = w / a.kv_heads, kh = w % a.kv_heads;
+  for (const Unit* u = first; u != last; ++u) {
     switch (a.block_size) {  // the block size as a constant: the score tile stays in registers
-      case 8: attend_one<T, 8>(a, it, kh, buf); break;
-      case 16: attend_one<T, 16>(a, it, kh, buf); break;
-      default: attend_one<T, 32>(a, it, kh, buf); break;
+      case 8: attend_one<T, 8>(a, u->it, u->kh, u->jb, u->je, buf); break;
+      case 16: attend_one<T, 16>(a, u->it, u->kh, u->jb, u->je, buf); break;
+      default: attend_one<T, 32>(a, u->it, u->kh, u->jb, u->je, buf); break;
     }
   }
 }
 
 template <typename T>
 void attend(const Args& a, int items, int threads, const int64_t* cost) {
-  const int pairs = items * a.kv_heads;
-  if (threads <= 1 || pairs < 2) {
-    attend_range<T>(a, 0, pairs);
-    return;
-  }
-  // Split the pairs into ``threads`` runs of about equal cost (query rows x context).
+  // Units: every (item, KV head), cut by query positions where one would outweigh a
+  // thread's share (a long chunk beside a few decode rows), then runs of about equal cost.
   int64_t total = 0;
   for (int it = 0; it < items; ++it) total += cost[it] * a.kv_heads;
-  std::vector<int> cuts{0};
-  int64_t run = 0;
-  for (int w = 0; w < pairs && static_cast<int>(cuts.size()) < threads; ++w) {
-    run += cost[w / a.kv_heads];
-    if (run * threads >= total * static_cast<int64_t>(cuts.size())) cuts.push_back(w + 1);
+  threads = std::max(threads, 1);
+  const int64_t share = std::max<int64_t>(total / threads, 1);
+  std::vector<Unit> units;
+  for (int it = 0; it < items; ++it)
+    for (int kh = 0; kh < a.kv_heads; ++kh) {
+      const int len = a.q_len[it];
+      const int pieces = threads > 1
+          ? static_cast<int>(std::min<int64_t>(len, (2 * cost[it] + share - 1) / share)) : 1;
+      for (int p = 0; p < pieces; ++p) {
+        const int jb = len * p / pieces, je = len * (p + 1) / pieces;
+        if (je > jb) units.push_back({it, kh, jb, je, cost[it] * (je - jb) / len});
+      }
+    }
+  if (threads == 1 || units.size() < 2) {
+    attend_units<T>(a, units.data(), units.data() + units.size());
+    return;
   }
-  if (cuts.back() != pairs) cuts.push_back(pairs);
+  std::vector<size_t> cuts{0};
+  int64_t run = 0;
+  for (size_t u = 0; u < units.size() && static_cast<int>(cuts.size()) < threads; ++u) {
+    run += units[u].cost;
+    if (run * threads >= total * static_cast<int64_t>(cuts.size())) cuts.push_back(u + 1);
+  }
+  if (cuts.back() != units.size()) cuts.push_back(units.size());
   std::vector<std::thread> workers;
   for (size_t c = 1; c + 1 < cuts.size(); ++c)
-    workers.emplace_back(attend_range<T>, std::cref(a), cuts[c], cuts[c + 1]);
-  attend_range<T>(a, cuts[0], cuts[1]);
+    workers.emplace_back(attend_units<T>, std::cref(a), units.data() + cuts[c],
+                         units.data() + cuts[c + 1]);
+  attend_units<T>(a, units.data() + cuts[0], units.data() + cuts[1]);
   for (auto& t : workers) t.join();
 }
 

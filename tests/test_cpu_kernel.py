@@ -158,7 +158,7 @@ def test_the_pool_is_read_in_place():
 
 
 PLANTED = {
-    "causal mask one token late": ("ctx - len + j + 1 - t0", "ctx - len + j + 2 - t0",
+    "causal mask one token late": ("before + j + 1 - t0", "before + j + 2 - t0",
                                    mx.float32, [(9, 40)]),
     "no rescale of the sums so far": ("a[n] = ld(ar + c + 4 * n) * sc;",
                                       "a[n] = ld(ar + c + 4 * n);", mx.float32, [(4, 90)]),
