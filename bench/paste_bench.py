@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--quick", action="store_true", help="a short paste (smoke run)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the report there too (it is printed either way); not "
+                             f"{RESULT.relative_to(RESULT.parents[2])}, which holds every "
+                             "earlier run: a new section is added to it by hand")
     args = parser.parse_args(argv)
     paste_tokens, streams = (400, 2) if args.quick else (3600, 4)
     eng = Engine(EngineConfig(model="default", kv_memory_mib=256.0, max_batch=8))
@@ -76,8 +80,8 @@ def main(argv: list[str] | None = None) -> str:
     lines += paste_report(result, CPU_PASTE_TARGETS)
     text = "\n".join(lines) + "\n"
     print(text)
-    if not args.quick:
-        RESULT.write_text(text)
+    if args.out is not None:
+        args.out.write_text(text)
     return text
 
 
