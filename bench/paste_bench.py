@@ -1,6 +1,8 @@
 """The long paste on the CPU with the default model (the interactive-first issue's bench).
 
-    python -m bench.paste_bench [--quick] [--repeats N]   (full sizes write bench/results/paste.md)
+    python -m bench.paste_bench [--quick] [--repeats N] [--json F] [--out F]
+
+(prints the report; ``--out`` writes it to a file too).
 
 Four chats stream (the app's default sampling) when a user pastes a ~3,600-token report and
 asks about it; 0.2 s later a short question arrives in another pane. Reported, over
