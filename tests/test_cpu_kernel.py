@@ -142,6 +142,15 @@ def test_a_call_split_over_threads_equals_its_one_thread_run():
         np.testing.assert_array_equal(split, alone)
 
 
+def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
+    """A library linked with -ffast-math sets flush-to-zero for the whole process when it
+    loads (GCC's crtfastmath.o): every subnormal float anywhere would then read as 0."""
+    assert cpu_kernel.ready()
+    tiny = np.array([1e-39], dtype=np.float32) * np.float32(0.5)  # a subnormal result
+    assert tiny[0] != 0.0
+    assert np.nextafter(np.float32(0), np.float32(1)) > 0
+
+
 def test_the_pool_is_read_in_place():
     """No copy of the pool per call: the kernel reads the array's own memory (a bfloat16
     pool through a uint16 view, which must share it: numpy has no bfloat16)."""

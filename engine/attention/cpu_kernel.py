@@ -49,9 +49,13 @@ logger = logging.getLogger(__name__)
 SOURCE_PATH = shaders_root() / "shaders" / "paged_attention_cpu.cpp"
 #: -ffast-math lets the exp and the sums vectorize (the kernel keeps no infinities: its
 #: running maxima start at a finite floor); -march=native is why the cache key holds the
-#: machine's CPU flags.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
-         "-fPIC", "-pthread")
+#: machine's CPU flags. Compiled only: the library is linked by ``LINK_FLAGS``, without
+#: -ffast-math, because GCC then links ``crtfastmath.o``, whose constructor sets the CPU's
+#: flush-to-zero mode when the library loads, for the whole process: subnormal floats then
+#: read as 0 everywhere (hypothesis caught it in tests/test_telemetry.py).
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC",
+         "-pthread")
+LINK_FLAGS = ("-shared", "-pthread")
 #: Below this much work (query positions x context tokens, summed over the items) a call
 #: runs on one thread. Not the cost of starting a thread (microseconds) but MLX's own BLAS
 #: threads, still spinning after the layer's matmuls: inside a whole step, 14 prompt tokens
@@ -99,18 +103,20 @@ def build(source_path: Path = SOURCE_PATH) -> ctypes.CDLL:
     source = source_path.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + LINK_FLAGS).encode(),
+                                     version.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()]))
     target = _cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # built beside the target, then renamed: two processes never load a half-written file
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, str(source_path), "-o", str(built)],
-                                  capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+            built, obj = Path(tmp) / target.name, Path(tmp) / "kernel.o"
+            for command in ([compiler, *FLAGS, "-c", str(source_path), "-o", str(obj)],
+                            [compiler, *LINK_FLAGS, str(obj), "-o", str(built)]):
+                done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
     fn = library.paged_attention_cpu
