@@ -60,7 +60,7 @@ def _pool(rng: random.Random, lengths: list[int], block: int, kv_heads: int, hea
 
 def _oracle(q: np.ndarray, k64, v64, table, context: int, length: int, scale: float):
     """q [L, H, D] at the last L of ``context`` positions -> [L, H, D], float64."""
-    block, kv_heads = k64.shape[1], k64.shape[2]
+    kv_heads = k64.shape[2]
     heads = q.shape[1]
     group = heads // kv_heads
     keys = k64[table].reshape(-1, kv_heads, k64.shape[3])[:context]
@@ -72,7 +72,6 @@ def _oracle(q: np.ndarray, k64, v64, table, context: int, length: int, scale: fl
             s = keys[:seen, h // group] @ q[j, h].astype(np.float64) * scale
             p = np.exp(s - s.max())
             out[j, h] = (p / p.sum()) @ values[:seen, h // group]
-    del block
     return out
 
 

@@ -215,8 +215,7 @@ def attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, k_scales: mx.a
     if k_scales is not None:
         ks, vs = _host_view(k_scales), _host_view(v_scales)
     out = np.empty((rows, heads, head_dim), dtype=np.float32)
-    num_blocks, block_size, kv_heads, _ = k_pool.shape
-    del num_blocks
+    _, block_size, kv_heads, _ = k_pool.shape
     status = (library or _library).paged_attention_cpu(
         _DTYPES[k_pool.dtype], q_host.ctypes.data, k_host.ctypes.data, v_host.ctypes.data,
         None if ks is None else ks.ctypes.data, None if vs is None else vs.ctypes.data,
