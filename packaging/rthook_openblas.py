@@ -7,8 +7,9 @@ once with LD_PRELOAD set, when the library is installed (``apt-get install
 libopenblas0-openmp``) and nothing is preloaded yet. Measured here with the frozen
 ``--self-test`` on an idle 2-core machine: prompt + 8 tokens in 1.1-1.2 s with it against
 8.0-8.5 s without (whole self-test 5 s against 12 s). Only the openmp variant: the pthread
-one aborts at exit after MLX ran in a second thread. Set PAGEDCHAT_NO_OPENBLAS=1 to opt out.
-Does nothing on macOS (Metal).
+one aborts at exit after MLX ran in a second thread. Its OpenMP threads are told to sleep
+between matmuls rather than spin (``OMP_WAIT_POLICY=PASSIVE``, docs/FACTS.md). Set
+PAGEDCHAT_NO_OPENBLAS=1 to opt out. Does nothing on macOS (Metal).
 """
 
 import os
@@ -29,6 +30,7 @@ def _preload_openblas() -> None:
     if lib is None:
         return
     env = dict(os.environ, LD_PRELOAD=lib)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # its threads sleep: app/core/openblas.py
     try:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -127,6 +127,14 @@ def test_head_dims(head_dim):
     _check(batch, works, q, pools, pools64)
 
 
+@pytest.mark.parametrize(("environ", "sleeping"), [
+    ({}, False), ({"OMP_WAIT_POLICY": "passive"}, True), ({"OMP_WAIT_POLICY": " PASSIVE "}, True),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, False), ({"GOMP_SPINCOUNT": "0"}, True),
+    ({"GOMP_SPINCOUNT": "300000"}, False)])
+def test_small_calls_split_only_where_blas_threads_sleep(environ, sleeping):
+    assert cpu_kernel.blas_threads_sleep(environ) is sleeping
+
+
 def test_a_call_split_over_threads_equals_its_one_thread_run():
     rng = random.Random(3)
     batch, works, q, pools, pools64 = _step(rng, [300, 17, 1200, 64], [(128, 2000)], 9, 3, 64,

@@ -88,6 +88,31 @@ def test_an_opted_out_entry_point_says_why_it_is_slow() -> None:
     assert openblas.OPT_OUT in problem and "slow" in problem
 
 
+@needs_openblas
+@pytest.mark.parametrize("policy", [None, "ACTIVE"])
+def test_the_entry_point_lets_openblas_threads_sleep_unless_the_user_chose(policy) -> None:
+    """The loader sets OMP_WAIT_POLICY=PASSIVE before OpenBLAS (and its libgomp) loads, so the
+    CPU attention kernel may split small calls over the cores; a policy the user set stays,
+    and the kernel then keeps small calls on one thread (engine/attention/cpu_kernel.py)."""
+    code = ("from app.core import openblas\n"
+            "s = openblas.load()\n"
+            "import os\n"
+            "from engine.attention import cpu_kernel\n"
+            "print(s.label, os.environ.get('OMP_WAIT_POLICY'), cpu_kernel.THREAD_MIN_COST)\n")
+    env = entry_point_env()
+    env.pop(openblas.WAIT_POLICY, None)
+    env.pop("GOMP_SPINCOUNT", None)
+    if policy:
+        env[openblas.WAIT_POLICY] = policy
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    from engine.attention import cpu_kernel
+    expected = (f"openblas PASSIVE {cpu_kernel.THREAD_MIN_COST_SLEEPING}" if policy is None
+                else f"openblas ACTIVE {cpu_kernel.THREAD_MIN_COST_SPINNING}")
+    assert run.stdout.strip() == expected
+
+
 def test_the_window_says_why_prompts_are_slow(qtbot, app_env, monkeypatch) -> None:
     from app.core.store import Store
     from tests.app_helpers import engineless_window

@@ -57,11 +57,26 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "
          "-pthread")
 LINK_FLAGS = ("-shared", "-pthread")
 #: Below this much work (query positions x context tokens, summed over the items) a call
-#: runs on one thread. Not the cost of starting a thread (microseconds) but MLX's own BLAS
-#: threads, still spinning after the layer's matmuls: inside a whole step, 14 prompt tokens
-#: at 3,200 tokens of context took 383 ms on one thread against 571 ms on two (our 2-core
-#: machine), while 64 tokens there gained from two (1,049 ms against 1,147).
-THREAD_MIN_COST = 150_000
+#: runs on one thread. What decides it is not the cost of starting a thread (microseconds)
+#: but whether OpenBLAS's OpenMP threads sleep after the layer's matmuls or spin, taking the
+#: cores a second kernel thread needs. Spinning (libgomp's default): inside a whole step, 14
+#: prompt tokens at 3,200 tokens of context took 383 ms on one thread against 571 ms on two
+#: (our 2-core machine), while 64 tokens there gained from two (1,049 ms against 1,147), so
+#: only big calls split. Sleeping (``OMP_WAIT_POLICY=PASSIVE``, which ``scripts/env.sh`` and
+#: the app's OpenBLAS loader set): two threads gained at every size measured, from four
+#: decode rows beside 4 prompt tokens at 1,000 (docs/FACTS.md).
+THREAD_MIN_COST_SPINNING = 150_000
+THREAD_MIN_COST_SLEEPING = 4_000
+
+
+def blas_threads_sleep(environ=os.environ) -> bool:
+    """Whether libgomp's threads (OpenBLAS's, here) wait passively: libgomp reads these
+    variables when it loads, before MLX is imported, so the environment tells."""
+    return (environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+            or environ.get("GOMP_SPINCOUNT", "").strip() == "0")
+
+
+THREAD_MIN_COST = THREAD_MIN_COST_SLEEPING if blas_threads_sleep() else THREAD_MIN_COST_SPINNING
 _DTYPES = {mx.float32: 0, mx.bfloat16: 1, mx.float16: 2, mx.int8: 3}
 
 _lock = threading.Lock()
