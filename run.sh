@@ -11,7 +11,9 @@ case "${1:-run}" in
         shift
         .venv/bin/ruff check .
         .venv/bin/lint-imports --no-logo  # the layer contracts in pyproject.toml
-        exec .venv/bin/python -m pytest "$@"
+        # Two worker processes, one test file each at a time (docs/CONTRIBUTING.md says why);
+        # PAGEDCHAT_TEST_WORKERS=0 (or -n 0 among the arguments) runs it in one process.
+        exec .venv/bin/python -m pytest -n "${PAGEDCHAT_TEST_WORKERS:-2}" --dist loadfile "$@"
         ;;
     bench)
         shift
