@@ -13,8 +13,8 @@ the same speed as ``LD_PRELOAD``). Only the openmp variant: the pthread one abor
 after MLX ran in a second thread (docs/FACTS.md). ``PAGEDCHAT_NO_OPENBLAS=1`` opts out.
 Its OpenMP threads are told to sleep between matmuls (``OMP_WAIT_POLICY=PASSIVE``, unless the
 user set a policy) instead of spinning on the cores the GUI, the engine's Python and the CPU
-attention kernel need: mlx-lm decoded ~15% faster so (docs/FACTS.md). libgomp reads it when
-it loads, so it is set before the library is opened.
+attention kernel need: mlx-lm took 0.88x the time per token so (docs/FACTS.md). libgomp
+reads it when it loads, so it is set before the library is opened.
 
 ``state()`` says what happened, and why it is slow when it is, so the window and ``pagedchat
 serve`` can tell the user. Imports neither Qt nor MLX.

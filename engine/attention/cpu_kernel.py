@@ -63,8 +63,9 @@ LINK_FLAGS = ("-shared", "-pthread")
 #: prompt tokens at 3,200 tokens of context took 383 ms on one thread against 571 ms on two
 #: (our 2-core machine), while 64 tokens there gained from two (1,049 ms against 1,147), so
 #: only big calls split. Sleeping (``OMP_WAIT_POLICY=PASSIVE``, which ``scripts/env.sh`` and
-#: the app's OpenBLAS loader set): two threads gained at every size measured, from four
-#: decode rows beside 4 prompt tokens at 1,000 (docs/FACTS.md).
+#: the app's OpenBLAS loader set): two threads were no slower at any size measured (four
+#: decode rows alone, or beside 4 prompt tokens at 1,000) and faster from 8 prompt tokens at
+#: 1,000 on (a step of 4 decodes + 14 at 3,200: 386 ms against 458, docs/FACTS.md).
 THREAD_MIN_COST_SPINNING = 150_000
 THREAD_MIN_COST_SLEEPING = 4_000
 
