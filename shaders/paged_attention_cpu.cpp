@@ -20,23 +20,18 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
+
+#if defined(__SSE4_1__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 // The running maxima start here: finite, since -ffast-math assumes no infinities, and far
 // below any score, so exp(kNoScore - m) is exactly 0.
 constexpr float kNoScore = -1e30f;
-
-inline float load(const float* p, int i) { return p[i]; }
-inline float load(const uint16_t* p, int i) {  // bfloat16: the high half of a float32
-  uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float load(const _Float16* p, int i) { return static_cast<float>(p[i]); }
-inline float load(const int8_t* p, int i) { return static_cast<float>(p[i]); }
 
 struct Args {
   const float* q;
@@ -62,6 +57,49 @@ inline v4 splat(float x) { return v4{x, x, x, x}; }
 inline v4 ld(const float* p) { v4 r; std::memcpy(&r, p, sizeof r); return r; }
 inline void st(float* p, v4 v) { std::memcpy(p, &v, sizeof v); }
 
+// Four elements of a pool row widened to floats in registers. GCC turns the vector
+// extensions' int8 and float16 conversions into four scalar ones, so x86 says what it means
+// (SSE4.1, F16C); elsewhere the generic form (Clang lowers it to NEON's widening moves).
+inline v4 ld4(const float* p) { return ld(p); }
+inline v4 ld4(const uint16_t* p) {  // bfloat16: each lane moves into a float32's high half
+  typedef uint32_t u32x4 __attribute__((vector_size(16)));
+#if defined(__SSE4_1__)
+  const u32x4 wide = reinterpret_cast<u32x4>(
+      _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  typedef uint16_t u16x4 __attribute__((vector_size(8)));
+  u16x4 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x4 wide = __builtin_convertvector(h, u32x4);
+#endif
+  const u32x4 bits = wide << 16;
+  v4 r;
+  std::memcpy(&r, &bits, sizeof r);
+  return r;
+}
+inline v4 ld4(const _Float16* p) {
+#if defined(__F16C__)
+  return reinterpret_cast<v4>(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  typedef _Float16 f16x4 __attribute__((vector_size(8)));
+  f16x4 h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, v4);
+#endif
+}
+inline v4 ld4(const int8_t* p) {
+#if defined(__SSE4_1__)
+  int32_t bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  return reinterpret_cast<v4>(_mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(bytes))));
+#else
+  typedef int8_t i8x4 __attribute__((vector_size(4)));
+  i8x4 b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, v4);
+#endif
+}
+
 // Scores of R query rows (qs, stride d_len) against one block's transposed K tile kt[D][BS].
 template <int BS, int R>
 inline void tile_scores(const float* qs, int d_len, const float* kt, float* s) {
@@ -81,9 +119,44 @@ inline void tile_scores(const float* qs, int d_len, const float* kt, float* s) {
     for (int n = 0; n < NV; ++n) st(s + r * BS + 4 * n, acc[r][n]);
 }
 
-// ar[0:d_len] = ar * rescale + sum over the block's first ``seen`` tokens of p[o] * vb[o].
+// One block's K for one KV head, widened (int8: times each token's scale) and transposed
+// into kt[D][BS], four tokens by four dims at a time: four rows loaded, transposed in
+// registers, four stores. Token o's row is at k + o * stride; tokens from ``in_block`` on are
+// zeros, never read.
+template <typename T, int BS>
+inline void widen_k(const T* k, size_t stride, int in_block, const float* k_scale, int d_len,
+                    float* kt) {
+  for (int o0 = 0; o0 < BS; o0 += 4) {
+    for (int i0 = 0; i0 < d_len; i0 += 4) {
+      v4 r[4];
+      for (int t = 0; t < 4; ++t)
+        r[t] = o0 + t < in_block ? ld4(k + (o0 + t) * stride + i0) * splat(k_scale[o0 + t])
+                                 : splat(0.f);
+      const v4 t0 = __builtin_shufflevector(r[0], r[1], 0, 4, 1, 5);
+      const v4 t1 = __builtin_shufflevector(r[0], r[1], 2, 6, 3, 7);
+      const v4 t2 = __builtin_shufflevector(r[2], r[3], 0, 4, 1, 5);
+      const v4 t3 = __builtin_shufflevector(r[2], r[3], 2, 6, 3, 7);
+      st(kt + (i0 + 0) * BS + o0, __builtin_shufflevector(t0, t2, 0, 1, 4, 5));
+      st(kt + (i0 + 1) * BS + o0, __builtin_shufflevector(t0, t2, 2, 3, 6, 7));
+      st(kt + (i0 + 2) * BS + o0, __builtin_shufflevector(t1, t3, 0, 1, 4, 5));
+      st(kt + (i0 + 3) * BS + o0, __builtin_shufflevector(t1, t3, 2, 3, 6, 7));
+    }
+  }
+}
+
+// One block's V for one KV head widened (int8: times each token's scale) into vb[BS][D].
+template <typename T, int BS>
+inline void widen_v(const T* v, size_t stride, int in_block, const float* v_scale, int d_len,
+                    float* vb) {
+  for (int o = 0; o < BS; ++o)
+    for (int i = 0; i < d_len; i += 4)
+      st(vb + o * d_len + i, o < in_block ? ld4(v + o * stride + i) * splat(v_scale[o]) : splat(0.f));
+}
+
+// ar[0:d_len] = ar * rescale + sum over the block's first ``seen`` tokens of p[o] * V[o], V[o]
+// at vb + o * stride: a widened tile, or a float32 pool's own row.
 inline void tile_pv(float* ar, float rescale, const float* p, int seen, const float* vb,
-                    int d_len) {
+                    size_t stride, int d_len) {
   int c = 0;
   for (; c + 32 <= d_len; c += 32) {  // 32 lanes: eight accumulators in registers
     v4 a[8];
@@ -91,38 +164,53 @@ inline void tile_pv(float* ar, float rescale, const float* p, int seen, const fl
     for (int n = 0; n < 8; ++n) a[n] = ld(ar + c + 4 * n) * sc;
     for (int o = 0; o < seen; ++o) {
       const v4 pv = splat(p[o]);
-      const float* vr = vb + o * d_len + c;
+      const float* vr = vb + o * stride + c;
       for (int n = 0; n < 8; ++n) a[n] += pv * ld(vr + 4 * n);
     }
     for (int n = 0; n < 8; ++n) st(ar + c + 4 * n, a[n]);
   }
   for (; c < d_len; c += 4) {  // head dims that are not a multiple of 32 (a multiple of 4)
     v4 a = ld(ar + c) * splat(rescale);
-    for (int o = 0; o < seen; ++o) a += splat(p[o]) * ld(vb + o * d_len + c);
+    for (int o = 0; o < seen; ++o) a += splat(p[o]) * ld(vb + o * stride + c);
     st(ar + c, a);
   }
 }
 
+// Rows that an item's queries of one KV head must number before a float32 block's V is worth
+// copying into a tile that they share rather than read in place by each row's P.V (measured:
+// decode rows read in place save the copy, 96 and more rows read a tile faster). The
+// narrower pools always widen V into a tile: widened in registers by every row, it cost more
+// than the copy even for decode rows.
+constexpr int kWidenRows = 24;
+
 // Item ``it``, KV head ``kh``, query positions [jb, je) of the item: their rows for the G
-// heads of ``kh``. Each block's K is widened (and scaled, int8) once into a transposed tile
-// kt[D][BS] and its V into vb[BS][D], shared by all these rows: scores are register-blocked
-// FMAs of ``ROWS`` rows over the tile, P.V 32 lanes of a row at a time over the block's
-// tokens.
+// heads of ``kh``. Per block: K widened into a transposed tile kt[D][BS] (vector loads and an
+// in-register transpose) shared by all these rows; their scores as register-blocked FMAs of
+// ``ROWS`` rows over the tile; an online softmax per row; P.V 32 lanes of a row at a time
+// over the block's tokens, from a float32 pool's V read in place (fewer than kWidenRows rows)
+// or from a tile vb[BS][D] widened once (int8: scaled). Both do a row's arithmetic in the
+// same order on the same values, so a row's output does not depend on which rows share its
+// call or how a call is split.
 template <typename T, int BS>
 void attend_one(const Args& a, int it, int kh, int jb, int je, std::vector<float>& buf) {
   constexpr int ROWS = BS == 8 ? 4 : BS == 16 ? 2 : 1;  // accumulators: ROWS * BS / 4 = 8
+  constexpr bool kFloatPool = std::is_same<T, float>::value;
   const int group = a.heads / a.kv_heads, d_len = a.head_dim;
   const int len = a.q_len[it], ctx = a.context[it], rows = (je - jb) * group;
+  const bool v_in_place = kFloatPool && rows < kWidenRows;
   const int before = ctx - len;  // query j sits at position before + j, sees up to it
   const int padded = (rows + ROWS - 1) / ROWS * ROWS;
-  buf.resize(static_cast<size_t>(padded) * (2 * d_len + 2 + BS) + 2 * static_cast<size_t>(BS) * d_len);
+  buf.resize(static_cast<size_t>(padded) * (2 * d_len + 2 + BS) + 2 * static_cast<size_t>(BS) * d_len
+             + 2 * BS);
   float* qs = buf.data();                                    // [padded, D], scaled
   float* acc = qs + static_cast<size_t>(padded) * d_len;     // [padded, D]
   float* row_max = acc + static_cast<size_t>(padded) * d_len;  // [padded]
   float* row_sum = row_max + padded;                         // [padded]
   float* sc = row_sum + padded;                              // [padded, BS]
   float* kt = sc + static_cast<size_t>(padded) * BS;         // [D, BS]
-  float* vb = kt + static_cast<size_t>(BS) * d_len;          // [BS, D]
+  float* vb = kt + static_cast<size_t>(BS) * d_len;          // [BS, D], unless V is read in place
+  float* k_scale = vb + static_cast<size_t>(BS) * d_len;     // [BS]: int8's scales, else 1
+  float* v_scale = k_scale + BS;                             // [BS]
   std::fill(qs, qs + static_cast<size_t>(padded) * d_len, 0.f);
   for (int j = jb; j < je; ++j)
     for (int g = 0; g < group; ++g) {
@@ -133,25 +221,32 @@ void attend_one(const Args& a, int it, int kh, int jb, int je, std::vector<float
   std::fill(acc, acc + static_cast<size_t>(padded) * d_len, 0.f);
   std::fill(row_max, row_max + padded, kNoScore);
   std::fill(row_sum, row_sum + padded, 0.f);
+  std::fill(k_scale, k_scale + 2 * BS, 1.f);
   const T* kp = static_cast<const T*>(a.k_pool);
   const T* vp = static_cast<const T*>(a.v_pool);
+  const size_t stride = static_cast<size_t>(a.kv_heads) * d_len;  // a pool row's next token
   const int32_t* table = a.tables + static_cast<size_t>(it) * a.width;
   const int blocks = (before + je + BS - 1) / BS;  // what the last of these queries sees
   for (int bi = 0; bi < blocks; ++bi) {
-    const size_t block = static_cast<size_t>(table[bi]);
-    const int t0 = bi * BS, in_block = std::min(BS, ctx - t0);
-    for (int o = 0; o < BS; ++o) {
-      const size_t slot = (block * BS + o) * a.kv_heads + kh;
-      const T* k = kp + slot * d_len;
-      const T* v = vp + slot * d_len;
-      const bool real = o < in_block;  // the block's slots past the context are not read
-      const float ks = !real ? 0.f : a.k_scales ? static_cast<float>(a.k_scales[slot]) : 1.f;
-      const float vs = !real ? 0.f : a.v_scales ? static_cast<float>(a.v_scales[slot]) : 1.f;
-      for (int i = 0; i < d_len; ++i) {
-        kt[i * BS + o] = real ? load(k, i) * ks : 0.f;
-        vb[o * d_len + i] = real ? load(v, i) * vs : 0.f;
+    const size_t first_slot = static_cast<size_t>(table[bi]) * BS * a.kv_heads + kh;
+    const int t0 = bi * BS, in_block = std::min(BS, ctx - t0);  // past it: never read
+    const T* v_rows = vp + first_slot * d_len;
+    if (a.k_scales)
+      for (int o = 0; o < in_block; ++o) {
+        const size_t slot = first_slot + static_cast<size_t>(o) * a.kv_heads;
+        k_scale[o] = static_cast<float>(a.k_scales[slot]);
+        v_scale[o] = static_cast<float>(a.v_scales[slot]);
+      }
+    widen_k<T, BS>(kp + first_slot * d_len, stride, in_block, k_scale, d_len, kt);
+    const float* v_src = vb;  // V: the widened tile, or a float32 pool's own rows
+    size_t v_stride = d_len;
+    if constexpr (kFloatPool) {
+      if (v_in_place) {
+        v_src = v_rows;
+        v_stride = stride;
       }
     }
+    if (!v_in_place) widen_v<T, BS>(v_rows, stride, in_block, v_scale, d_len, vb);
     // the first row that sees any of this block: query j sees positions <= before + j
     const int first_row = std::max(0, t0 - before - jb) * group;
     for (int r0 = first_row / ROWS * ROWS; r0 < rows; r0 += ROWS)
@@ -172,7 +267,8 @@ void attend_one(const Args& a, int it, int kh, int jb, int je, std::vector<float
       }
       row_sum[r] = row_sum[r] * rescale + sum;
       row_max[r] = m;
-      tile_pv(acc + static_cast<size_t>(r) * d_len, rescale, s, seen, vb, d_len);
+      float* ar = acc + static_cast<size_t>(r) * d_len;
+      tile_pv(ar, rescale, s, seen, v_src, v_stride, d_len);
     }
   }
   for (int j = jb; j < je; ++j)

@@ -6,8 +6,10 @@ shaders/paged_attention_cpu.cpp) against a float64 oracle.
 * Shape matrix: grouped-query ratios 1-8, head dims 32-128, block sizes 8/16/32, ragged
   decode rows beside prompt chunks (and bucket padding rows) in one call, float32, bfloat16,
   float16 and int8 pools; a call large enough to split over threads equals its one-thread run.
-* Planted bugs in copies of the source are caught: a causal mask one token late, a missing
-  rescale, V read with K's scales, heads of one KV head mapped wrongly, bfloat16 widened
+* Planted bugs in copies of the source are caught, on both ways of reading V (in place, and
+  widened into a tile): a causal mask one token late, a missing rescale, K transposed into
+  the wrong lanes, int8 K without its scales, V read with K's scales, V read at the wrong
+  stride or from the wrong token, heads of one KV head mapped wrongly, bfloat16 widened
   wrongly.
 * The engine on the embedded model reports the kernel and gives mlx-lm's greedy replies;
   where the kernel cannot be built it keeps the MLX formulation.
@@ -173,20 +175,34 @@ def test_the_pool_is_read_in_place():
     assert cpu_kernel._host_view(k16).ctypes.data == np.asarray(memoryview(as_half)).ctypes.data
 
 
+# Plants on both ways of reading V: in place (a float32 pool's few rows: decode rows, a chunk
+# of 3 positions x 3 heads) and widened into a tile (int8 and bfloat16 always; float32 for a
+# chunk of many rows: 12 positions x 3 heads).
 PLANTED = {
     "causal mask one token late": ("before + j + 1 - t0", "before + j + 2 - t0",
                                    mx.float32, [(9, 40)]),
     "no rescale of the sums so far": ("a[n] = ld(ar + c + 4 * n) * sc;",
                                       "a[n] = ld(ar + c + 4 * n);", mx.float32, [(4, 90)]),
-    "V read with K's scales": ("a.v_scales ? static_cast<float>(a.v_scales[slot])",
-                               "a.v_scales ? static_cast<float>(a.k_scales[slot])", mx.int8,
+    "K transposed into the wrong lanes": ("st(kt + (i0 + 1) * BS + o0",
+                                          "st(kt + (i0 + 2) * BS + o0", mx.float32, [(3, 50)]),
+    "int8 K without its scales": ("k_scale[o] = static_cast<float>(a.k_scales[slot]);", "",
+                                  mx.int8, [(3, 50)]),
+    "V read with K's scales": ("v_scale[o] = static_cast<float>(a.v_scales[slot]);",
+                               "v_scale[o] = static_cast<float>(a.k_scales[slot]);", mx.int8,
                                [(3, 50)]),
+    "a widened V tile without int8's scales": ("ld4(v + o * stride + i) * splat(v_scale[o])",
+                                               "ld4(v + o * stride + i)", mx.int8, [(12, 60)]),
+    "V read in place at a tile's stride": ("v_stride = stride;",
+                                           "v_stride = d_len;",
+                                           mx.float32, [(3, 50)]),
+    "V widened from the wrong token": ("ld4(v + o * stride + i)", "ld4(v + (o ^ 1) * stride + i)",
+                                       mx.bfloat16, [(12, 60)]),
     "heads of a KV head mapped wrongly": (
         "(static_cast<size_t>(a.q_row[it] + j) * a.heads + kh * group + g) * d_len;\n"
         "      float* dst = qs",
         "(static_cast<size_t>(a.q_row[it] + j) * a.heads + g * a.kv_heads + kh) * d_len;\n"
         "      float* dst = qs", mx.float32, [(2, 30)]),
-    "bfloat16 widened wrongly": ("<< 16;", "<< 15;", mx.bfloat16, [(2, 30)]),
+    "bfloat16 widened wrongly": ("wide << 16;", "wide << 15;", mx.bfloat16, [(2, 30)]),
 }
 
 
