@@ -6,10 +6,12 @@ bundle raises OSError, not ImportError), a Qt plugin missing, or numerics gone w
 self-test runs the same code paths a user's first launch runs, without a display and without
 touching the user's chats:
 
-1. resources: the app icon, both themes and the Metal shader source are found through the
-   resource locators (app/ui/resources.py, engine/attention/plans.py) and the shader parses;
+1. resources: the app icon, both themes, the Metal shader source and the CPU kernel's source
+   are found through the resource locators (app/ui/resources.py, engine/attention/plans.py)
+   and the shader parses;
 2. engine: the default model loads (converted into the cache folder on first use) and the
-   paged engine answers a fixed question greedily through the public ``engine`` API;
+   paged engine answers a fixed question greedily through the public ``engine`` API, on
+   the compiled CPU attention kernel where the backend is the CPU and a compiler exists;
 3. window: the real main window opens off screen on a throw-away data folder, its engine
    bridge reports the model ready, and the window closes cleanly.
 
@@ -22,6 +24,7 @@ a temporary folder in CI, or let it use the user's cache folder.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -70,11 +73,13 @@ class SelfTestResult:
 def check_resources() -> None:
     """Every file the app and the engine read at run time is where the locators look."""
     from app.ui.resources import app_icon_path, resources_dir
+    from engine.attention import cpu_kernel
     from engine.attention import metal as kernels
 
     missing = [
         str(p)
-        for p in (resources_dir() / "light.qss", resources_dir() / "dark.qss", kernels.SHADER_PATH)
+        for p in (resources_dir() / "light.qss", resources_dir() / "dark.qss", kernels.SHADER_PATH,
+                  cpu_kernel.SOURCE_PATH)
         if not p.is_file()
     ]
     if app_icon_path() is None:
@@ -85,6 +90,26 @@ def check_resources() -> None:
         kernels.KERNELS.sources()
     except (OSError, ValueError) as e:
         raise SelfTestError(f"the Metal shader {kernels.SHADER_PATH} is unusable: {e}") from e
+
+
+#: C++ compilers the CPU attention kernel is built with (engine/attention/cpu_kernel.py).
+CXX_NAMES = ("g++", "c++", "clang++")
+
+
+def check_attention(result: SelfTestResult, info) -> None:
+    """Name the attention path in the result; on the CPU backend, where a C++ compiler is
+    installed, it must be the compiled kernel: the MLX formulation there means the kernel's
+    source or its build went missing (a frozen bundle once shipped without the source and
+    ran 1.8-2.8x slower prompt chunks with nothing failing)."""
+    attention = getattr(info, "attention", "?")
+    result.backend = f"{result.backend}, {attention}"
+    if result.backend.startswith("cpu") and attention != "cpu-paged":
+        compilers = [name for name in (os.environ.get("CXX"), *CXX_NAMES)
+                     if name and shutil.which(name)]
+        if compilers:
+            raise SelfTestError(f"the CPU attention kernel is not in use ({attention}) though "
+                                f"{compilers[0]} is installed: see the log for why it did not "
+                                "build")
 
 
 def check_constrained(engine) -> None:
@@ -125,6 +150,7 @@ def generate(result: SelfTestResult) -> object:
                 f"the default model did not load: {engine.load_error or 'timed out'}"
             )
         result.model = engine.model_info.name if engine.model_info else "?"
+        check_attention(result, engine.model_info)
         start = time.perf_counter()
         handle = engine.submit(
             messages=[{"role": "user", "content": PROMPT}],

