@@ -212,8 +212,8 @@ NUCLEUS_CANDIDATES = 1024
 
 
 def nucleus(logprobs: mx.array, top_p: float) -> mx.array:
-    """mlx-lm's ``apply_top_p`` on rows of log-probabilities: the same tokens kept, the rest
-    set to -inf. On a GPU it is mlx-lm's function. On the CPU, MLX's sort of a 49k
+    """mlx-lm's ``apply_top_p`` on rows of log-probabilities: each row's nucleus kept, the
+    rest set to -inf. On a GPU it is mlx-lm's function. On the CPU, MLX's sort of a 49k
     vocabulary costs about 6 ms a row (bench/sampler_bench.py), paid by every sampled row of
     every step and by every position of a speculative verification; the nucleus lies within
     the row's top ``NUCLEUS_CANDIDATES`` tokens unless the distribution is very flat. So the
