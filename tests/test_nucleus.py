@@ -110,3 +110,28 @@ def test_draws_on_a_real_vocabulary_follow_the_oracle():
     expect = expected[kept] * draws
     chi2 = float(((counts[kept] - expect) ** 2 / expect).sum())
     assert chi2 < chi2_quantile(int(kept.sum()) - 1)
+
+
+def test_the_candidates_hold_exactly_the_nucleus_or_say_they_do_not():
+    """``nucleus_candidates`` (what a speculative verification samples from on the CPU):
+    where it says a row's nucleus lies wholly among its candidates, their kept tokens are
+    exactly the tokens ``nucleus`` keeps; it says so for peaked rows, and not for a flat row
+    or for one whose threshold ties with tokens outside the candidates."""
+    rng = np.random.default_rng(12)
+    peaked = _rows(rng, 6, 6.0)
+    flat = _rows(rng, 1, 0.5)
+    tied = np.zeros((1, VOCAB), dtype=np.float32)
+    tied[0, 5] = np.log(VOCAB)  # half the mass, then 49k equal tokens: the nucleus needs some
+    tied = mx.array(tied) - mx.logsumexp(mx.array(tied), axis=-1, keepdims=True)
+    rows = mx.concatenate([peaked, flat, tied])
+    kept, ids, inside = sampling.nucleus_candidates(rows, 0.9)
+    want = np.isfinite(np.array(nucleus(rows, 0.9)))
+    kept, ids, inside = np.array(kept), np.array(ids), np.array(inside)
+    assert inside.tolist() == [True] * 6 + [False, False]
+    for r in range(6):
+        assert len(set(ids[r].tolist())) == NUCLEUS_CANDIDATES
+        got = np.zeros(VOCAB, dtype=bool)
+        got[ids[r][np.isfinite(kept[r])]] = True
+        np.testing.assert_array_equal(got, want[r])
+        np.testing.assert_array_equal(kept[r][np.isfinite(kept[r])],
+                                      np.array(rows)[r][ids[r][np.isfinite(kept[r])]])

@@ -24,6 +24,7 @@ from engine import Engine, EngineConfig, FinalEvent, FinishReason, SamplingParam
 from engine.kv.block_table import BlockTable
 from engine.kv.blocks import BlockAllocator
 from engine.kv.invariants import check_invariants
+from engine.runner.sampling import Candidates, Layout, SamplingRow, processed
 from engine.runner.verify import verify
 from engine.sched.speculation import (
     KEPT_PROMPTS,
@@ -147,6 +148,40 @@ def test_a_draft_outside_the_kept_set_is_never_accepted():
     assert all(m == 0 for _, _, m, _ in out)
     first = np.bincount([tokens[0] for _, _, _, tokens in out], minlength=10)
     assert_counts_follow(oracle_distribution(ROW_LOGITS[0], params, []), first)
+
+
+#: A vocabulary wider than the nucleus's candidates (engine/runner/sampling.py), so that
+#: verification on the CPU samples the candidates, with the ten tokens of ROW_LOGITS spread
+#: over it and every other token far below them.
+WIDE_VOCAB = 3000
+WIDE_TOKENS = np.array([2999, 4, 1500, 17, 2048, 1024, 0, 640, 2222, 333])
+
+
+def test_on_a_wide_vocabulary_the_candidates_keep_the_distribution_without_drafts():
+    params = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.5)
+    wide = np.full((3, WIDE_VOCAB), -30.0, dtype=np.float32)
+    wide[:, WIDE_TOKENS] = ROW_LOGITS
+    history = [int(WIDE_TOKENS[t]) for t in (1, 4, 6)]
+    drafts = (int(WIDE_TOKENS[0]), int(WIDE_TOKENS[1]))
+    rows = [SamplingRow(params, history, None)] * 3
+    layout = Layout(rows)
+    _, scaled = processed(layout, mx.array(wide), layout.initial_state(rows), candidates=True)
+    assert isinstance(scaled, Candidates)  # the path under test is the candidates'
+    seqs = [fake_sequence(params, history) for _ in range(DRAWS)]
+    logits = mx.array(np.tile(wide[:3], (DRAWS, 1)))
+    pending = verify(logits, seqs, [drafts] * DRAWS, key=mx.random.key(2027))
+    mx.eval(pending.arrays())
+    out = pending.read()
+    first = np.bincount([tokens[0] for _, _, _, tokens in out], minlength=WIDE_VOCAB)
+    assert_counts_follow(oracle_distribution(wide[0], params, history), first)
+    second = np.bincount([tokens[1] for _, _, _, tokens in out if tokens[0] == drafts[0]],
+                         minlength=WIDE_VOCAB)
+    assert second.sum() > 500
+    assert_counts_follow(oracle_distribution(wide[1], params, history + [drafts[0]]), second)
+    # a draft among the far tokens (outside the nucleus, outside the candidates) never passes
+    far = verify(logits[:2], seqs[:1], [(7,)], key=mx.random.key(5))
+    mx.eval(far.arrays())
+    assert far.read()[0][2] == 0
 
 
 def test_greedy_rows_keep_the_drafts_that_equal_the_argmax_then_the_argmax():

@@ -177,18 +177,25 @@ def draw(layout: Layout, logits: mx.array, state: RowState,
     return tokens, RowState(windows, keys)
 
 
-def processed(layout: Layout, logits: mx.array, state: RowState
-              ) -> tuple[mx.array, mx.array | None]:
+def processed(layout: Layout, logits: mx.array, state: RowState, candidates: bool = False
+              ) -> tuple[mx.array, mx.array | Candidates | None]:
     """Every row's logits after the repetition penalty (float32 [rows, vocab]: their argmax
     is a greedy row's token), and the sampled rows' filtered log-probabilities over their
     temperature ([sampled rows, vocab] in ``layout.sampled`` order, None when no row
     samples): the distribution a sampled row draws from is their softmax. One definition
-    for the draw and for speculative verification (engine/runner/verify.py)."""
+    for the draw and for speculative verification (engine/runner/verify.py).
+
+    ``candidates``: the sampled rows' distributions may come as :class:`Candidates` (only
+    the tokens a row can draw, on the CPU under top-p) instead of whole rows."""
     x = logits.astype(mx.float32)
     if layout.width:
         x = _penalise(x, layout, state.windows)
     if not layout.groups:
         return x, None
+    if candidates:
+        found = _candidates(layout, x)
+        if found is not None:
+            return x, found
     scaled = []
     for (temperature, top_p, min_p, top_k), members in layout.groups:
         sub = x if members is None else x[members]
@@ -201,6 +208,43 @@ def processed(layout: Layout, logits: mx.array, state: RowState
             logprobs = apply_top_k(logprobs, top_k)
         scaled.append(logprobs * (1.0 / temperature))
     return x, scaled[0] if len(scaled) == 1 else mx.concatenate(scaled)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Sampled rows' distributions on the few tokens each can draw: a row's top
+    ``NUCLEUS_CANDIDATES`` tokens, which hold its whole top-p nucleus (:func:`processed`
+    with ``candidates``). Sampling a row's softmax over them is sampling its softmax over
+    the vocabulary, every other token being at -inf there; on the CPU, where MLX's ``exp``
+    over a 49k vocabulary costs about a millisecond a row, a speculative verification's
+    softmax and draw over 1,024 candidates cost a fiftieth of that."""
+
+    logprobs: mx.array  # float32 [sampled rows, candidates]: as processed's, -inf outside
+    tokens: mx.array  # int32 [sampled rows, candidates]: the vocabulary index of each
+
+
+def _candidates(layout: Layout, x: mx.array) -> Candidates | None:
+    """The sampled rows' :class:`Candidates`, or None where the whole rows are needed: off
+    the CPU, a group without top-p or with min-p / top-k, or a row whose nucleus may reach
+    beyond its candidates."""
+    values, tokens, inside = [], [], []
+    for (temperature, top_p, min_p, top_k), members in layout.groups:
+        if not (0.0 < top_p < 1.0) or min_p > 0.0 or top_k > 0:
+            return None
+        sub = x if members is None else x[members]
+        found = nucleus_candidates(sub - mx.logsumexp(sub, axis=-1, keepdims=True), top_p)
+        if found is None:
+            return None
+        kept, ids, whole = found
+        values.append(kept * (1.0 / temperature))
+        tokens.append(ids)
+        inside.append(whole)
+    mx.eval(values, inside)
+    if not all(bool(mx.all(w)) for w in inside):
+        return None
+    if len(values) == 1:
+        return Candidates(values[0], tokens[0])
+    return Candidates(mx.concatenate(values), mx.concatenate(tokens))
 
 
 #: The most likely tokens of a row that :func:`nucleus` reads on the CPU before it sorts the
@@ -229,13 +273,8 @@ def nucleus(logprobs: mx.array, top_p: float) -> mx.array:
     vocab = logprobs.shape[-1]
     if mx.default_device() != mx.cpu or vocab <= NUCLEUS_CANDIDATES:
         return apply_top_p(logprobs, top_p)
-    top = mx.sort(mx.topk(logprobs, NUCLEUS_CANDIDATES, axis=-1), axis=-1)  # ascending
-    probs = mx.exp(top)
-    mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
-    # every token below the candidates is dropped iff the candidates' own mass reaches top_p
-    covered = (mass_above[:, :1] + probs[:, :1] >= top_p)[:, 0]
-    threshold = mx.take_along_axis(top, (mass_above >= top_p).sum(axis=-1, keepdims=True),
-                                   axis=-1)
+    threshold, covered, _ = _nucleus_threshold(
+        mx.topk(logprobs, NUCLEUS_CANDIDATES, axis=-1), top_p)
     kept = mx.where(logprobs < threshold, -float("inf"), logprobs)
     mx.eval(kept, covered)
     wide = np.flatnonzero(~np.array(covered))
@@ -243,6 +282,38 @@ def nucleus(logprobs: mx.array, top_p: float) -> mx.array:
         rows = mx.array(wide.astype(np.int32))
         kept[rows] = apply_top_p(logprobs[rows], top_p)
     return kept
+
+
+def nucleus_candidates(logprobs: mx.array, top_p: float
+                       ) -> tuple[mx.array, mx.array, mx.array] | None:
+    """:func:`nucleus` on each row's top ``NUCLEUS_CANDIDATES`` tokens only (lazy): their
+    log-probabilities with those outside the nucleus at -inf, their vocabulary indices, and
+    whether the row's nucleus lies wholly among them (bool [rows]: its threshold is above
+    the lowest candidate, so no token outside them reaches it, tied or not). None off the
+    CPU and for a vocabulary no larger than the candidates."""
+    if mx.default_device() != mx.cpu or logprobs.shape[-1] <= NUCLEUS_CANDIDATES:
+        return None
+    ids = mx.argpartition(-logprobs, NUCLEUS_CANDIDATES - 1, axis=-1)[:, :NUCLEUS_CANDIDATES]
+    values = mx.take_along_axis(logprobs, ids, axis=-1)
+    threshold, _, lowest = _nucleus_threshold(values, top_p)
+    kept = mx.where(values < threshold, -float("inf"), values)
+    return kept, ids.astype(mx.int32), (threshold > lowest)[:, 0]
+
+
+def _nucleus_threshold(candidates: mx.array, top_p: float
+                       ) -> tuple[mx.array, mx.array, mx.array]:
+    """From each row's top log-probabilities (any order; :func:`nucleus`): the nucleus's
+    smallest kept log-probability [rows, 1], by mlx-lm's arithmetic (the mass above each
+    candidate, summed from the top, against ``top_p``); whether the candidates hold
+    ``top_p`` of the mass [rows]; and the smallest candidate [rows, 1]."""
+    top = mx.sort(candidates, axis=-1)  # ascending
+    probs = mx.exp(top)
+    mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    # every token below the candidates is dropped iff the candidates' own mass reaches top_p
+    covered = (mass_above[:, :1] + probs[:, :1] >= top_p)[:, 0]
+    threshold = mx.take_along_axis(top, (mass_above >= top_p).sum(axis=-1, keepdims=True),
+                                   axis=-1)
+    return threshold, covered, top[:, :1]
 
 
 def sample_rows(logits: mx.array, rows: Sequence[SamplingRow],

@@ -18,6 +18,9 @@ at that point, given that d1..di were accepted.
 
 Everything per row is computed on the device for every position at once; the host reads
 two small arrays (accepted?, the token on rejection) and walks each sequence's positions.
+On the CPU under top-p, the acceptance and the draw on rejection read each row's nucleus
+candidates only (engine/runner/sampling.py ``Candidates``): a token outside them has
+probability 0, so a draft among them is accepted or not exactly as over the vocabulary.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.runner.sampling import Layout, SamplingRow, inverse_cdf, processed
+from engine.runner.sampling import Candidates, Layout, SamplingRow, inverse_cdf, processed
 from engine.sched.sequence import Sequence
 
 
@@ -74,7 +77,7 @@ def verify(logits: mx.array, seqs: list[Sequence], drafts: list[tuple[int, ...]]
     ``key``: the key of the uniforms (None: MLX's global generator)."""
     rows = [row for seq, d in zip(seqs, drafts) for row in verify_rows(seq, d)]
     layout = Layout(rows)
-    x, scaled = processed(layout, logits, layout.initial_state(rows))
+    x, scaled = processed(layout, logits, layout.initial_state(rows), candidates=True)
     # the draft each row checks: the next position's token (-1: the last row has none)
     targets = mx.array([t for d in drafts for t in (*d, -1)], dtype=mx.int32)
     tokens = mx.argmax(x, axis=-1).astype(mx.int32)
@@ -83,13 +86,20 @@ def verify(logits: mx.array, seqs: list[Sequence], drafts: list[tuple[int, ...]]
         sampled = layout.sampled
         d = targets if sampled is None else targets[sampled]
         has = d >= 0
-        hit = (mx.arange(scaled.shape[-1])[None, :] == d[:, None]) & has[:, None]
-        probs = mx.softmax(scaled, axis=-1)
+        if isinstance(scaled, Candidates):  # the rows' distributions on their candidates
+            values, ids = scaled.logprobs, scaled.tokens
+            hit = (ids == d[:, None]) & has[:, None]
+        else:
+            values, ids = scaled, None
+            hit = (mx.arange(values.shape[-1])[None, :] == d[:, None]) & has[:, None]
+        probs = mx.softmax(values, axis=-1)
         q = mx.sum(mx.where(hit, probs, 0.0), axis=-1)
-        uniforms = mx.random.uniform(shape=(2, scaled.shape[0]), key=key)
+        uniforms = mx.random.uniform(shape=(2, values.shape[0]), key=key)
         taken = (uniforms[0] < q) & has
-        residual = mx.where(hit, -mx.inf, scaled)
+        residual = mx.where(hit, -mx.inf, values)
         drawn = inverse_cdf(residual, uniforms[1])
+        if ids is not None:
+            drawn = mx.take_along_axis(ids, drawn[:, None], axis=-1)[:, 0]
         # all the mass on the draft: nothing left to draw (and the draft was accepted
         # unless q rounded below 1 under u)
         drawn = mx.where(mx.isinf(mx.max(residual, axis=-1)), mx.maximum(d, 0), drawn)
