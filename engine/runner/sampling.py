@@ -9,7 +9,9 @@ nothing waits on the host: the token sampled by step t is appended to the window
 device, lazily, so step t+1 can be built (and penalised) before step t's tokens are read.
 The one exception is top-p on the CPU backend (:func:`nucleus`), which evaluates the rows to
 choose between its candidates and a full sort; a CPU step is evaluated layer by layer by its
-attention kernel anyway.
+attention kernel anyway. There, a step without seeded rows also draws from those candidates
+only (:class:`Candidates`): every other token is at -inf, and MLX's CPU ``exp`` over a 49k
+vocabulary costs about a millisecond a row.
 
 One pass per step: the repetition penalty is one gather/scatter over all rows (a penalty of
 1 leaves a row bit-for-bit unchanged), greedy rows share one argmax, sampled rows are
@@ -152,7 +154,8 @@ def draw(layout: Layout, logits: mx.array, state: RowState,
     ``key`` is the shared key of the rows without their own (None: MLX's global generator).
     Nothing is evaluated here: the caller evaluates the tokens (and the state) once.
     """
-    x, scaled = processed(layout, logits, state)
+    # seeded rows draw over the whole vocabulary, as their own ``categorical`` would
+    x, scaled = processed(layout, logits, state, candidates=not layout.keyed)
     tokens = mx.argmax(x, axis=-1).astype(mx.int32)
     keys = state.keys
     if scaled is not None:
@@ -166,7 +169,11 @@ def draw(layout: Layout, logits: mx.array, state: RowState,
         u = uniforms[0] if len(uniforms) == 1 else mx.concatenate(uniforms)
         if layout.uniform_order is not None:
             u = u[layout.uniform_order]
-        drawn = inverse_cdf(scaled, u)
+        if isinstance(scaled, Candidates):
+            drawn = mx.take_along_axis(scaled.tokens, inverse_cdf(scaled.logprobs, u)[:, None],
+                                       axis=-1)[:, 0]
+        else:
+            drawn = inverse_cdf(scaled, u)
         if layout.sampled is None:
             tokens = drawn
         else:
