@@ -24,7 +24,7 @@ from engine.kv.blocks import BlockAllocator
 from engine.kv.pool import KVPool
 from engine.runner.architecture import probe_kv_shape
 from engine.runner.model_adapter import PagedModel
-from engine.runner.step_batch import bucket, build_step_batch
+from engine.runner.step_batch import blas_rows, bucket, build_step_batch
 from engine.sched.work import SequenceWork
 from tests.reference import collect, reference_model
 from tests.test_architectures import tiny_model
@@ -105,7 +105,11 @@ def test_greedy_replies_equal_mlx_lm_with_and_without_buckets(tiny, monkeypatch,
     padded = [b for b in batches if b.padding]
     if bucketed:
         assert padded, "no step was padded: the test does not exercise padding rows"
-        assert all(b.num_decode == bucket(b.num_decode - b.padding) for b in batches)
+        for b in batches:  # a bucket of decode rows; on the CPU, then the BLAS's row count
+            real = b.num_decode - b.padding
+            rows = bucket(real) + sum(c.length for c in b.prefills)
+            on_cpu = mx.default_device() == mx.cpu
+            assert b.tokens.shape[0] == (blas_rows(rows) if on_cpu and real else rows)
     else:
         assert not padded
 
@@ -181,6 +185,56 @@ def test_padding_rows_write_only_the_scratch_block():
             assert not np.any(got[free]), "a padding row wrote into an allocator block"
             # the scratch block (one past the allocator's) took the padding rows
             assert np.any(got[n]) and not np.any(want[n])
+
+
+def _mixed_step(row_fit) -> tuple[mx.array, KVPool, list[int], object]:
+    """Four sequences prefilled, then one step of their four decodes beside a fifth
+    sequence's 6-token prompt (10 rows: the CPU's BLAS pads them to 16)."""
+    model = tiny_model("llama")
+    pool = KVPool(probe_kv_shape(model), 64, BLOCK)
+    alloc = BlockAllocator(64, BLOCK)
+    paged = PagedModel(model, pool)
+    tables = [BlockTable(owner=f"s{i}") for i in range(5)]
+    feeds = [[(5 * i + 3 * k) % 90 + 1 for i in range(6 + 4 * k)] for k in range(4)]
+    feeds.append([(7 * i) % 90 + 2 for i in range(6)])
+
+    def work(t: BlockTable, tokens: list[int]) -> SequenceWork:
+        start = t.num_tokens
+        slots = alloc.append(t, tokens).slots
+        return SequenceWork(tokens, start, list(t.blocks), slots)
+
+    first = build_step_batch([work(t, f) for t, f in zip(tables[:4], feeds[:4])])
+    logits = paged.forward(first)
+    mx.eval(logits, pool.keys, pool.values)
+    for t in tables[:4]:
+        alloc.mark_computed(t)
+    nexts = [[int(x)] for x in mx.argmax(logits, axis=-1).tolist()]
+    works = [work(t, f) for t, f in zip(tables, nexts + [feeds[4]])]
+    batch = build_step_batch(works, row_fit=row_fit)
+    logits = paged.forward(batch)
+    mx.eval(logits, pool.keys, pool.values)
+    return logits, pool, sorted({b for t in tables for b in t.blocks}), batch
+
+
+def test_rows_padded_for_the_blas_change_nothing_but_the_scratch_block():
+    want, exact_pool, held, exact = _mixed_step(None)
+    got, pool, held_padded, batch = _mixed_step(blas_rows)
+    assert exact.tokens.shape[0] == 10 and batch.tokens.shape[0] == 16
+    assert batch.padding == 6 and batch.logit_rows.shape[0] == 8  # 5 logits: 6 -> 8
+    assert held_padded == held
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    n = pool.num_blocks
+    for layer in range(len(pool.keys)):
+        for arrays, ref in ((pool.keys, exact_pool.keys), (pool.values, exact_pool.values)):
+            np.testing.assert_allclose(np.array(arrays[layer])[held],
+                                       np.array(ref[layer])[held], rtol=1e-5, atol=1e-6)
+            free = [b for b in range(n) if b not in held]
+            assert not np.any(np.array(arrays[layer])[free])
+
+
+def test_blas_rows_are_powers_of_two_from_five_to_32_rows():
+    assert [blas_rows(n) for n in (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 33, 48, 300)] \
+        == [1, 2, 3, 4, 8, 8, 8, 16, 16, 16, 32, 32, 32, 33, 48, 300]
 
 
 class _FakeKernels:

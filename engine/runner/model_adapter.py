@@ -33,7 +33,7 @@ import mlx.nn as nn
 from engine.attention import cpu_kernel
 from engine.attention import dispatch as attention
 from engine.kv.pool import KVPool
-from engine.runner.step_batch import StepBatch
+from engine.runner.step_batch import StepBatch, blas_rows
 
 
 class PagedLayerCache:
@@ -176,6 +176,9 @@ class PagedModel:
         self.caches = [PagedLayerCache(pool, i, use_kernel) for i in range(len(model.layers))]
         self.use_kernel = use_kernel
         self.cpu_kernel = cpu_kernel and not use_kernel
+        #: How a step's rows are padded for the matmuls (engine/runner/step_batch.py): the
+        #: CPU backend's BLAS is fastest at some row counts; a GPU keeps the buckets only.
+        self.row_fit = blas_rows if mx.default_device() == mx.cpu else None
         inner = _inner_model(model)
         self._row_norm: _RowSelectingNorm | None = None
         if inner is not None and isinstance(getattr(inner, "norm", None), nn.Module):

@@ -213,7 +213,8 @@ class StepRunner:
         t0 = time.perf_counter()
         try:
             batch = self._feed_inflight(build_step_batch(
-                plan.works, drafts_as_decodes=self.paged_model.decode_kernel), plan.works)
+                plan.works, drafts_as_decodes=self.paged_model.decode_kernel,
+                row_fit=self.paged_model.row_fit), plan.works)
             logits = self.paged_model.forward(batch)  # builds the lazy graph
         except Exception as e:  # the graph could not be built: isolate, synchronously
             logger.warning("step failed (%s); isolating its %d sequences", e, len(plan.works))

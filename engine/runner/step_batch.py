@@ -33,7 +33,7 @@ chunk layout: it would gather the sequence's blocks once per row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -59,6 +59,17 @@ def bucket(n: int) -> int:
         return n
     up = 1 << (n - 1).bit_length()
     return up * 3 // 4 if n <= up * 3 // 4 else up
+
+
+def blas_rows(n: int) -> int:
+    """A step's row count (the model's matmuls' M) as the CPU backend runs it fastest:
+    ``n`` rounded up to a power of two from 5 to 32 rows, else ``n``. OpenBLAS (the CPU
+    backend's BLAS on Linux, app/core/openblas.py) multiplies 16 rows by the default model's
+    weights in 2.3 ms a layer, and 12 rows in 4.8, 10 in 3.5, 24 in 5.4 against 4.0 for 32
+    (``bench/cpu_matmul_rows.py`` on CI's 2 cores): its kernels tile 8 and 16 rows. A decode
+    step of eight chats with one sequence verifying a draft fed 10 rows and took 1.3x the
+    eight rows' step. Past 32 rows no rounding measured cheaper."""
+    return 1 << (n - 1).bit_length() if 4 < n <= 32 else n
 
 
 def bucket_below(n: int) -> int:
@@ -119,13 +130,19 @@ class StepBatch:
 
 
 def build_step_batch(work: Sequence[SequenceWork], bucketed: bool | None = None,
-                     drafts_as_decodes: bool = False) -> StepBatch:
+                     drafts_as_decodes: bool = False,
+                     row_fit: Callable[[int], int] | None = None) -> StepBatch:
     """Lay out a step: one-token works first (shortest context first, one batched decode
     attention on the kernels, one per ``DecodeGroup`` on the reference path), padding rows up
     to a bucket, then chunks. ``bucketed`` (default ``BUCKET_SHAPES``) pads the shapes;
     ``drafts_as_decodes`` lays a work that verifies drafts out as decode rows (see the module
-    docstring), else as a chunk."""
-    fit = bucket if (BUCKET_SHAPES if bucketed is None else bucketed) else _exact
+    docstring), else as a chunk. ``row_fit`` (the CPU: :func:`blas_rows`; unused when
+    unbucketed) pads a step that has decode rows, and the LM head's rows, further, to the
+    row counts its matmuls run fastest at: more padding rows after the decodes."""
+    padded = BUCKET_SHAPES if bucketed is None else bucketed
+    fit = bucket if padded else _exact
+    if not padded:
+        row_fit = None
 
     def one_query_per_row(w: SequenceWork) -> bool:
         return len(w.tokens) == 1 or (drafts_as_decodes and bool(w.drafts))
@@ -161,6 +178,9 @@ def build_step_batch(work: Sequence[SequenceWork], bucketed: bool | None = None,
         place(i)
     decode_rows = len(tokens)
     padding = fit(decode_rows) - decode_rows
+    if row_fit is not None and decodes:
+        rows = decode_rows + padding + sum(len(work[i].tokens) for i in chunks)
+        padding += row_fit(rows) - rows
     tokens.extend([0] * padding)  # token 0 at position 0, its K/V to the scratch block
     positions.extend([0] * padding)
     blocks.extend([SCRATCH_BLOCK] * padding)
@@ -194,7 +214,10 @@ def build_step_batch(work: Sequence[SequenceWork], bucketed: bool | None = None,
         decode_lens = mx.array(lens, dtype=mx.int32)
         groups = decode_groups(widths, padding, fit)
     if logit_rows:  # the LM head on a bucket of rows; the repeats are dropped after it
-        logit_rows.extend([logit_rows[-1]] * (fit(len(logit_rows)) - len(logit_rows)))
+        head_rows = fit(len(logit_rows))
+        if row_fit is not None:
+            head_rows = row_fit(head_rows)
+        logit_rows.extend([logit_rows[-1]] * (head_rows - len(logit_rows)))
     return StepBatch(
         tokens=mx.array(tokens, dtype=mx.int32)[:, None],
         positions=mx.array(positions, dtype=mx.int32),
