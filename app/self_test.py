@@ -24,7 +24,6 @@ a temporary folder in CI, or let it use the user's cache folder.
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -92,10 +91,6 @@ def check_resources() -> None:
         raise SelfTestError(f"the Metal shader {kernels.SHADER_PATH} is unusable: {e}") from e
 
 
-#: C++ compilers the CPU attention kernel is built with (engine/attention/cpu_kernel.py).
-CXX_NAMES = ("g++", "c++", "clang++")
-
-
 def check_attention(result: SelfTestResult, info) -> None:
     """Name the attention path in the result; on the CPU backend, where a C++ compiler is
     installed, it must be the compiled kernel: the MLX formulation there means the kernel's
@@ -104,12 +99,12 @@ def check_attention(result: SelfTestResult, info) -> None:
     attention = getattr(info, "attention", "?")
     result.backend = f"{result.backend}, {attention}"
     if result.backend.startswith("cpu") and attention != "cpu-paged":
-        compilers = [name for name in (os.environ.get("CXX"), *CXX_NAMES)
-                     if name and shutil.which(name)]
-        if compilers:
+        from engine.attention import cpu_kernel
+
+        cxx = cpu_kernel.compiler()
+        if cxx is not None:
             raise SelfTestError(f"the CPU attention kernel is not in use ({attention}) though "
-                                f"{compilers[0]} is installed: see the log for why it did not "
-                                "build")
+                                f"{cxx} is installed: see the log for why it did not build")
 
 
 def check_constrained(engine) -> None:

@@ -142,14 +142,18 @@ def test_a_long_decode_of_8_chats_uses_few_plan_keys(tiny, monkeypatch):
     assert counts[True] <= 16 and counts[False] >= 2 * counts[True], counts
 
 
+def _tiny_paged() -> tuple[KVPool, BlockAllocator, PagedModel, list[BlockTable]]:
+    """The tiny llama on a 64-block pool, its allocator, and five empty tables."""
+    model = tiny_model("llama")
+    pool = KVPool(probe_kv_shape(model), 64, BLOCK)
+    paged = PagedModel(model, pool)
+    return pool, BlockAllocator(64, BLOCK), paged, [BlockTable(owner=f"s{i}") for i in range(5)]
+
+
 def _drive(bucketed: bool) -> tuple[KVPool, list[BlockTable]]:
     """Five sequences prefilled together, then 12 decode steps of all five (a bucket of 6:
     one padding row each step), straight through the model adapter."""
-    model = tiny_model("llama")
-    pool = KVPool(probe_kv_shape(model), 64, BLOCK)
-    alloc = BlockAllocator(64, BLOCK)
-    paged = PagedModel(model, pool)
-    tables = [BlockTable(owner=f"s{i}") for i in range(5)]
+    pool, alloc, paged, tables = _tiny_paged()
     feeds = [[(5 * i + 3 * k) % 90 + 1 for i in range(6 + 4 * k)] for k in range(5)]
     for step in range(13):
         works = []
@@ -190,11 +194,7 @@ def test_padding_rows_write_only_the_scratch_block():
 def _mixed_step(row_fit) -> tuple[mx.array, KVPool, list[int], object]:
     """Four sequences prefilled, then one step of their four decodes beside a fifth
     sequence's 6-token prompt (10 rows: the CPU's BLAS pads them to 16)."""
-    model = tiny_model("llama")
-    pool = KVPool(probe_kv_shape(model), 64, BLOCK)
-    alloc = BlockAllocator(64, BLOCK)
-    paged = PagedModel(model, pool)
-    tables = [BlockTable(owner=f"s{i}") for i in range(5)]
+    pool, alloc, paged, tables = _tiny_paged()
     feeds = [[(5 * i + 3 * k) % 90 + 1 for i in range(6 + 4 * k)] for k in range(4)]
     feeds.append([(7 * i) % 90 + 2 for i in range(6)])
 

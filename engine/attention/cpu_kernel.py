@@ -103,7 +103,9 @@ def _cache_dir() -> Path:
     return Path(xdg) / "pagedchat" / "cpu_kernels"
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler the kernel is built with: ``$CXX``, else g++, c++ or clang++ on PATH
+    (None: the engine attends with the MLX formulation; app/self_test.py asks too)."""
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
             return shutil.which(name)
@@ -113,11 +115,11 @@ def _compiler() -> str | None:
 def build(source_path: Path = SOURCE_PATH) -> ctypes.CDLL:
     """Compile ``source_path`` (cached by its hash, the flags, the compiler and the CPU) and
     load it. Tests build altered sources through it."""
-    compiler = _compiler()
-    if compiler is None:
+    cxx = compiler()
+    if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
     source = source_path.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + LINK_FLAGS).encode(),
                                      version.encode(),
@@ -128,11 +130,11 @@ def build(source_path: Path = SOURCE_PATH) -> ctypes.CDLL:
         # built beside the target, then renamed: two processes never load a half-written file
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built, obj = Path(tmp) / target.name, Path(tmp) / "kernel.o"
-            for command in ([compiler, *FLAGS, "-c", str(source_path), "-o", str(obj)],
-                            [compiler, *LINK_FLAGS, str(obj), "-o", str(built)]):
+            for command in ([cxx, *FLAGS, "-c", str(source_path), "-o", str(obj)],
+                            [cxx, *LINK_FLAGS, str(obj), "-o", str(built)]):
                 done = subprocess.run(command, capture_output=True, text=True, timeout=300)
                 if done.returncode != 0:
-                    raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+                    raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
     fn = library.paged_attention_cpu
