@@ -642,8 +642,8 @@ def test_drafts_verified_as_decode_rows_give_mlx_lm_greedy_replies(monkeypatch):
     verified_as_decodes = []
     real_build = step_batch.build_step_batch
 
-    def build(works, bucketed=None, drafts_as_decodes=False):
-        batch = real_build(works, bucketed, drafts_as_decodes)
+    def build(works, bucketed=None, drafts_as_decodes=False, row_fit=None):
+        batch = real_build(works, bucketed, drafts_as_decodes, row_fit)
         if drafts_as_decodes and any(w.drafts for w in works):
             verified_as_decodes.append(len(batch.prefills))
         return batch
