@@ -220,7 +220,7 @@ def test_rows_padded_for_the_blas_change_nothing_but_the_scratch_block():
     want, exact_pool, held, exact = _mixed_step(None)
     got, pool, held_padded, batch = _mixed_step(blas_rows)
     assert exact.tokens.shape[0] == 10 and batch.tokens.shape[0] == 16
-    assert batch.padding == 6 and batch.logit_rows.shape[0] == 8  # 5 logits: 6 -> 8
+    assert batch.padding == 6 and batch.logit_rows.shape[0] == 16  # 5 logits: 6 -> 16
     assert held_padded == held
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
     n = pool.num_blocks
@@ -232,9 +232,10 @@ def test_rows_padded_for_the_blas_change_nothing_but_the_scratch_block():
             assert not np.any(np.array(arrays[layer])[free])
 
 
-def test_blas_rows_are_powers_of_two_from_five_to_32_rows():
-    assert [blas_rows(n) for n in (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 32, 33, 48, 300)] \
-        == [1, 2, 3, 4, 8, 8, 8, 16, 16, 16, 32, 32, 32, 33, 48, 300]
+def test_blas_rows_are_whole_tiles_of_16_unless_a_few_rows_past_one():
+    rows = (1, 4, 5, 8, 12, 16, 17, 19, 20, 31, 32, 35, 36, 50, 52, 128, 129, 140, 300)
+    assert [blas_rows(n) for n in rows] \
+        == [1, 4, 16, 16, 16, 16, 17, 19, 32, 32, 32, 35, 48, 50, 64, 128, 129, 140, 300]
 
 
 class _FakeKernels:

@@ -62,14 +62,21 @@ def bucket(n: int) -> int:
 
 
 def blas_rows(n: int) -> int:
-    """A step's row count (the model's matmuls' M) as the CPU backend runs it fastest:
-    ``n`` rounded up to a power of two from 5 to 32 rows, else ``n``. OpenBLAS (the CPU
-    backend's BLAS on Linux, app/core/openblas.py) multiplies 16 rows by the default model's
-    weights in 2.3 ms a layer, and 12 rows in 4.8, 10 in 3.5, 24 in 5.4 against 4.0 for 32
-    (``bench/cpu_matmul_rows.py`` on CI's 2 cores): its kernels tile 8 and 16 rows. A decode
+    """A step's row count (the model's matmuls' M) as the CPU backend runs it fastest.
+
+    OpenBLAS (the CPU backend's BLAS on Linux, app/core/openblas.py) computes rows in tiles
+    of 16: on CI's 2 cores one layer's projections of the default model cost 3.0 ms for 16
+    rows, 4.6 for 32, 6.0 for 48, 7.6 for 64, while 12 rows cost 5.0, 20-24 rows 4.9, 36-40
+    rows 6.3-6.4 and 52 rows 7.8: rows past a whole tile cost about 0.4 ms each for the first
+    three, then more than the rest of the tile (``bench/cpu_matmul_rows.py``; the LM head
+    alike). So ``n`` is rounded up to a multiple of 16 unless it is at most 4 rows or 1-3
+    rows past a tile; past 128 rows (prompt chunks) no rounding measured cheaper. A decode
     step of eight chats with one sequence verifying a draft fed 10 rows and took 1.3x the
-    eight rows' step. Past 32 rows no rounding measured cheaper."""
-    return 1 << (n - 1).bit_length() if 4 < n <= 32 else n
+    eight rows' step."""
+    past = n % 16
+    if n <= 4 or n > 128 or past == 0 or (n > 16 and past <= 3):
+        return n
+    return n + 16 - past
 
 
 def bucket_below(n: int) -> int:
