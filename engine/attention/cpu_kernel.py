@@ -47,6 +47,9 @@ from engine.attention.plans import shaders_root
 logger = logging.getLogger(__name__)
 
 SOURCE_PATH = shaders_root() / "shaders" / "paged_attention_cpu.cpp"
+#: The step's K/V writes (``paged_write_cpu``), linked into the same library: compiled
+#: without -ffast-math, so an int8 pool is quantized exactly as engine/kv/int8.py does.
+WRITE_SOURCE_PATH = shaders_root() / "shaders" / "kv_write_cpu.cpp"
 #: -ffast-math lets the exp and the sums vectorize (the kernel keeps no infinities: its
 #: running maxima start at a finite floor); -march=native is why the cache key holds the
 #: machine's CPU flags. Compiled only: the library is linked by ``LINK_FLAGS``, without
@@ -56,6 +59,7 @@ SOURCE_PATH = shaders_root() / "shaders" / "paged_attention_cpu.cpp"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC",
          "-pthread")
 LINK_FLAGS = ("-shared", "-pthread")
+WRITE_FLAGS = tuple(f for f in FLAGS if f != "-ffast-math")
 #: Below this much work (query positions x context tokens, summed over the items) a call
 #: runs on one thread. What decides it is not the cost of starting a thread (microseconds)
 #: but whether OpenBLAS's OpenMP threads sleep after the layer's matmuls or spin, taking the
@@ -112,26 +116,31 @@ def compiler() -> str | None:
     return None
 
 
-def build(source_path: Path = SOURCE_PATH) -> ctypes.CDLL:
-    """Compile ``source_path`` (cached by its hash, the flags, the compiler and the CPU) and
-    load it. Tests build altered sources through it."""
+def build(source_path: Path = SOURCE_PATH,
+          write_source_path: Path = WRITE_SOURCE_PATH) -> ctypes.CDLL:
+    """Compile the attention source and the write source (cached by their hashes, the flags,
+    the compiler and the CPU) into one library and load it. Tests build altered sources
+    through it."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
-    source = source_path.read_bytes()
+    sources = [source_path.read_bytes(), write_source_path.read_bytes()]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + LINK_FLAGS).encode(),
-                                     version.encode(),
+    flags = " | ".join(" ".join(f) for f in (FLAGS, WRITE_FLAGS, LINK_FLAGS))
+    key = hashlib.sha256(b"\0".join([*sources, flags.encode(), version.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()]))
     target = _cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # built beside the target, then renamed: two processes never load a half-written file
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built, obj = Path(tmp) / target.name, Path(tmp) / "kernel.o"
+            built = Path(tmp) / target.name
+            obj, write_obj = Path(tmp) / "kernel.o", Path(tmp) / "write.o"
             for command in ([cxx, *FLAGS, "-c", str(source_path), "-o", str(obj)],
-                            [cxx, *LINK_FLAGS, str(obj), "-o", str(built)]):
+                            [cxx, *WRITE_FLAGS, "-c", str(write_source_path), "-o",
+                             str(write_obj)],
+                            [cxx, *LINK_FLAGS, str(obj), str(write_obj), "-o", str(built)]):
                 done = subprocess.run(command, capture_output=True, text=True, timeout=300)
                 if done.returncode != 0:
                     raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
@@ -141,6 +150,9 @@ def build(source_path: Path = SOURCE_PATH) -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     fn.argtypes = [i, p, p, p, p, p, p, i, p, p, p, p, i, i, i, i, i, f, i, p]
+    write = library.paged_write_cpu
+    write.restype = ctypes.c_int
+    write.argtypes = [i, p, p, i, p, p, i, i, i, i, p, p, p, p]
     return library
 
 
@@ -177,6 +189,10 @@ class HostLayout:
     context: np.ndarray
     cost: np.ndarray  # int64 [items]: query rows x context (the threads' split)
     threads: int
+    #: int32 [T]: the slot (block, offset) each of the step's T rows writes its K/V to
+    #: (``attend``'s ``new_kv``); None: a layout for reading only.
+    write_blocks: np.ndarray | None = None
+    write_offsets: np.ndarray | None = None
 
     @classmethod
     def of(cls, batch) -> HostLayout:
@@ -203,7 +219,9 @@ class HostLayout:
         q_len, context = np.concatenate(lens), np.concatenate(ctxs)
         cost = q_len.astype(np.int64) * context
         threads = min(os.cpu_count() or 1, 8) if int(cost.sum()) >= THREAD_MIN_COST else 1
-        return cls(tables, np.concatenate(rows), q_len, context, cost, threads)
+        return cls(tables, np.concatenate(rows), q_len, context, cost, threads,
+                   np.asarray(batch.write_blocks, dtype=np.int32),
+                   np.asarray(batch.write_offsets, dtype=np.int32))
 
 
 def _host_view(a: mx.array) -> np.ndarray:
@@ -219,22 +237,35 @@ def _host_view(a: mx.array) -> np.ndarray:
 
 def attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, k_scales: mx.array | None,
            v_scales: mx.array | None, layout: HostLayout, scale: float,
-           library: ctypes.CDLL | None = None) -> mx.array:
+           library: ctypes.CDLL | None = None,
+           new_kv: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """Every row of a step: queries [T, heads, 1, head_dim] -> the same shape and dtype. The
     pools as engine/attention/dispatch.py describes them (an int8 pool with its scales);
-    ``library``: another build of the kernel (tests), else the one ``ready()`` loaded."""
+    ``library``: another build of the kernel (tests), else the one ``ready()`` loaded.
+
+    ``new_kv``: the layer's K and V of the step's rows ([T, kv_heads, head_dim]), written into
+    the pool in place at the layout's slots before any row attends (quantized in an int8
+    pool, exactly as engine/kv/int8.py does): the layer's write as one call, not as MLX
+    scatters (shaders/kv_write_cpu.cpp says what that saves)."""
     rows, heads, _, head_dim = queries.shape
     q = queries.reshape(rows, heads, head_dim).astype(mx.float32)
     arrays = [q, k_pool, v_pool] + ([k_scales, v_scales] if k_scales is not None else [])
+    if new_kv is not None:
+        new_kv = _row_dtype(new_kv, k_pool, k_scales)
+        arrays += list(new_kv)
     mx.eval(*arrays)
+    library = library or _library
+    if new_kv is not None:
+        _write_evaluated(library, k_pool, v_pool, k_scales, v_scales, *new_kv,
+                         layout.write_blocks, layout.write_offsets)
     q_host = _host_view(q)
     k_host, v_host = _host_view(k_pool), _host_view(v_pool)
     ks = vs = None
     if k_scales is not None:
         ks, vs = _host_view(k_scales), _host_view(v_scales)
-    out = np.empty((rows, heads, head_dim), dtype=np.float32)
     _, block_size, kv_heads, _ = k_pool.shape
-    status = (library or _library).paged_attention_cpu(
+    out = np.empty((rows, heads, head_dim), dtype=np.float32)
+    status = library.paged_attention_cpu(
         _DTYPES[k_pool.dtype], q_host.ctypes.data, k_host.ctypes.data, v_host.ctypes.data,
         None if ks is None else ks.ctypes.data, None if vs is None else vs.ctypes.data,
         layout.tables.ctypes.data, layout.tables.shape[1], layout.q_row.ctypes.data,
@@ -245,3 +276,47 @@ def attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, k_scales: mx.a
         raise RuntimeError(f"the CPU attention kernel failed ({status})")
     del q_host, k_host, v_host, ks, vs  # no view of the pool outlives the call
     return mx.array(out).astype(queries.dtype).reshape(rows, heads, 1, head_dim)
+
+
+def write(k_pool: mx.array, v_pool: mx.array, k_scales: mx.array | None,
+          v_scales: mx.array | None, keys: mx.array, values: mx.array, blocks: np.ndarray,
+          offsets: np.ndarray, library: ctypes.CDLL | None = None) -> None:
+    """Row t of ``keys``/``values`` ([T, kv_heads, head_dim]) into slot (blocks[t],
+    offsets[t]) of the pool, in place: what ``KVPool.write`` does with MLX ops, bit for bit
+    (an int8 pool quantized as engine/kv/int8.py does). ``attend``'s ``new_kv`` runs it."""
+    keys, values = _row_dtype((keys, values), k_pool, k_scales)
+    mx.eval(k_pool, v_pool, keys, values, *([k_scales, v_scales] if k_scales is not None else []))
+    _write_evaluated(library or _library, k_pool, v_pool, k_scales, v_scales, keys, values,
+                     np.asarray(blocks, dtype=np.int32), np.asarray(offsets, dtype=np.int32))
+
+
+def _row_dtype(rows: tuple[mx.array, mx.array], k_pool: mx.array,
+               k_scales: mx.array | None) -> tuple[mx.array, mx.array]:
+    """An int8 pool quantizes float32 rows; any other pool takes rows of its own dtype;
+    row-major either way (a model may hand over a strided view)."""
+    dtype = mx.float32 if k_scales is not None else k_pool.dtype
+    return mx.contiguous(rows[0].astype(dtype)), mx.contiguous(rows[1].astype(dtype))
+
+
+def _write_evaluated(library: ctypes.CDLL, k_pool: mx.array, v_pool: mx.array,
+                     k_scales: mx.array | None, v_scales: mx.array | None, keys: mx.array,
+                     values: mx.array, blocks: np.ndarray, offsets: np.ndarray) -> None:
+    rows, kv_heads, head_dim = keys.shape
+    if values.shape != keys.shape or k_pool.shape[2:] != (kv_heads, head_dim):
+        raise ValueError(f"K/V rows {keys.shape} / {values.shape} do not fit a pool of "
+                         f"{k_pool.shape}")
+    if blocks.shape != (rows,) or offsets.shape != (rows,):
+        raise ValueError(f"{rows} rows need {rows} slots, got {blocks.shape} / {offsets.shape}")
+    k_host, v_host, k_rows, v_rows = (_host_view(a) for a in (k_pool, v_pool, keys, values))
+    quantized = k_scales is not None
+    ks, vs = (_host_view(k_scales), _host_view(v_scales)) if quantized else (None, None)
+    status = library.paged_write_cpu(
+        0 if quantized else k_pool.dtype.size, k_rows.ctypes.data, v_rows.ctypes.data, rows,
+        blocks.ctypes.data, offsets.ctypes.data, k_pool.shape[0], k_pool.shape[1], kv_heads,
+        head_dim, k_host.ctypes.data, v_host.ctypes.data,
+        ks.ctypes.data if quantized else None, vs.ctypes.data if quantized else None)
+    del k_host, v_host, k_rows, v_rows, ks, vs  # no view of the pool outlives the call
+    if status != 0:
+        raise ValueError(f"a K/V slot is outside the pool of {k_pool.shape[0]} blocks of "
+                         f"{k_pool.shape[1]} (blocks {blocks.tolist()}, offsets "
+                         f"{offsets.tolist()}); nothing was written")

@@ -51,6 +51,9 @@ class PagedLayerCache:
         #: The step's items on the host when the CPU kernel attends (engine/attention/
         #: cpu_kernel.py), set with ``batch``; None: the MLX paths.
         self.host_layout: cpu_kernel.HostLayout | None = None
+        #: Under the CPU kernel: the layer's K/V rows, from ``update_and_fetch`` until
+        #: ``attend`` writes them into the pool with the same call that reads it.
+        self.pending_kv: tuple[mx.array, mx.array] | None = None
 
     @property
     def offset(self) -> mx.array:
@@ -62,7 +65,11 @@ class PagedLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         b = self.batch
         # [T, kv_heads, 1, head_dim] -> [T, kv_heads, head_dim]
-        self.pool.write(self.layer, b.write_blocks, b.write_offsets, keys[:, :, 0], values[:, :, 0])
+        keys_rows, values_rows = keys[:, :, 0], values[:, :, 0]
+        if self.host_layout is not None:  # the CPU kernel writes them in the layer's call
+            self.pending_kv = (keys_rows, values_rows)
+        else:
+            self.pool.write(self.layer, b.write_blocks, b.write_offsets, keys_rows, values_rows)
         return keys, values
 
     def _kernel_fits(self, num_heads: int) -> bool:
@@ -88,8 +95,11 @@ class PagedLayerCache:
         k_scales, v_scales = self.pool.scales(self.layer)  # None, None unless 8-bit
         sc = {"k_scales": k_scales, "v_scales": v_scales}
         if self.host_layout is not None:  # the CPU kernel: every row of the step in one call
+            new_kv, self.pending_kv = self.pending_kv, None
+            if new_kv is None:
+                raise RuntimeError("the paged cache attended before its rows' K/V were given")
             return cpu_kernel.attend(queries, k_pool, v_pool, k_scales, v_scales,
-                                     self.host_layout, scale)
+                                     self.host_layout, scale, new_kv=new_kv)
         parts = []
         if b.num_decode:
             q = queries[: b.num_decode]
