@@ -22,9 +22,10 @@ def user(text: str) -> list[dict]:
 
 
 @contextmanager
-def running_engine() -> Iterator[Engine]:
-    """The default model on a 64 MiB pool of 16-token blocks, eight chats a step."""
-    engine = Engine(EngineConfig(kv_memory_mib=64, block_size=16, max_batch=8))
+def running_engine(max_batch: int = 8) -> Iterator[Engine]:
+    """The default model on a 64 MiB pool of 16-token blocks, eight chats a step unless
+    ``max_batch`` says otherwise."""
+    engine = Engine(EngineConfig(kv_memory_mib=64, block_size=16, max_batch=max_batch))
     engine.start()
     try:
         assert engine.wait_ready(600), engine.load_error
