@@ -255,14 +255,14 @@ def attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, k_scales: mx.a
         arrays += list(new_kv)
     mx.eval(*arrays)
     library = library or _library
-    if new_kv is not None:
-        _write_evaluated(library, k_pool, v_pool, k_scales, v_scales, *new_kv,
-                         layout.write_blocks, layout.write_offsets)
     q_host = _host_view(q)
     k_host, v_host = _host_view(k_pool), _host_view(v_pool)
     ks = vs = None
     if k_scales is not None:
         ks, vs = _host_view(k_scales), _host_view(v_scales)
+    if new_kv is not None:
+        _write_host(library, k_host, v_host, ks, vs, *new_kv, layout.write_blocks,
+                    layout.write_offsets)
     _, block_size, kv_heads, _ = k_pool.shape
     out = np.empty((rows, heads, head_dim), dtype=np.float32)
     status = library.paged_attention_cpu(
@@ -283,11 +283,14 @@ def write(k_pool: mx.array, v_pool: mx.array, k_scales: mx.array | None,
           offsets: np.ndarray, library: ctypes.CDLL | None = None) -> None:
     """Row t of ``keys``/``values`` ([T, kv_heads, head_dim]) into slot (blocks[t],
     offsets[t]) of the pool, in place: what ``KVPool.write`` does with MLX ops, bit for bit
-    (an int8 pool quantized as engine/kv/int8.py does). ``attend``'s ``new_kv`` runs it."""
+    (an int8 pool quantized as engine/kv/int8.py does). ``attend``'s ``new_kv`` does the
+    same on the pool views it already holds."""
     keys, values = _row_dtype((keys, values), k_pool, k_scales)
-    mx.eval(k_pool, v_pool, keys, values, *([k_scales, v_scales] if k_scales is not None else []))
-    _write_evaluated(library or _library, k_pool, v_pool, k_scales, v_scales, keys, values,
-                     np.asarray(blocks, dtype=np.int32), np.asarray(offsets, dtype=np.int32))
+    scales = [k_scales, v_scales] if k_scales is not None else []
+    mx.eval(k_pool, v_pool, keys, values, *scales)
+    ks, vs = (_host_view(a) for a in scales) if scales else (None, None)
+    _write_host(library or _library, _host_view(k_pool), _host_view(v_pool), ks, vs, keys,
+                values, np.asarray(blocks, dtype=np.int32), np.asarray(offsets, dtype=np.int32))
 
 
 def _row_dtype(rows: tuple[mx.array, mx.array], k_pool: mx.array,
@@ -298,25 +301,25 @@ def _row_dtype(rows: tuple[mx.array, mx.array], k_pool: mx.array,
     return mx.contiguous(rows[0].astype(dtype)), mx.contiguous(rows[1].astype(dtype))
 
 
-def _write_evaluated(library: ctypes.CDLL, k_pool: mx.array, v_pool: mx.array,
-                     k_scales: mx.array | None, v_scales: mx.array | None, keys: mx.array,
-                     values: mx.array, blocks: np.ndarray, offsets: np.ndarray) -> None:
+def _write_host(library: ctypes.CDLL, k_host: np.ndarray, v_host: np.ndarray,
+                ks: np.ndarray | None, vs: np.ndarray | None, keys: mx.array, values: mx.array,
+                blocks: np.ndarray, offsets: np.ndarray) -> None:
+    """The write on the pool's host views (``_host_view``; ``ks``/``vs``: an int8 pool's
+    scales, else None) from evaluated rows of the pool's row dtype (``_row_dtype``)."""
     rows, kv_heads, head_dim = keys.shape
-    if values.shape != keys.shape or k_pool.shape[2:] != (kv_heads, head_dim):
+    if values.shape != keys.shape or k_host.shape[2:] != (kv_heads, head_dim):
         raise ValueError(f"K/V rows {keys.shape} / {values.shape} do not fit a pool of "
-                         f"{k_pool.shape}")
+                         f"{k_host.shape}")
     if blocks.shape != (rows,) or offsets.shape != (rows,):
         raise ValueError(f"{rows} rows need {rows} slots, got {blocks.shape} / {offsets.shape}")
-    k_host, v_host, k_rows, v_rows = (_host_view(a) for a in (k_pool, v_pool, keys, values))
-    quantized = k_scales is not None
-    ks, vs = (_host_view(k_scales), _host_view(v_scales)) if quantized else (None, None)
+    k_rows, v_rows = _host_view(keys), _host_view(values)
+    quantized = ks is not None
     status = library.paged_write_cpu(
-        0 if quantized else k_pool.dtype.size, k_rows.ctypes.data, v_rows.ctypes.data, rows,
-        blocks.ctypes.data, offsets.ctypes.data, k_pool.shape[0], k_pool.shape[1], kv_heads,
+        0 if quantized else k_host.itemsize, k_rows.ctypes.data, v_rows.ctypes.data, rows,
+        blocks.ctypes.data, offsets.ctypes.data, k_host.shape[0], k_host.shape[1], kv_heads,
         head_dim, k_host.ctypes.data, v_host.ctypes.data,
         ks.ctypes.data if quantized else None, vs.ctypes.data if quantized else None)
-    del k_host, v_host, k_rows, v_rows, ks, vs  # no view of the pool outlives the call
     if status != 0:
-        raise ValueError(f"a K/V slot is outside the pool of {k_pool.shape[0]} blocks of "
-                         f"{k_pool.shape[1]} (blocks {blocks.tolist()}, offsets "
+        raise ValueError(f"a K/V slot is outside the pool of {k_host.shape[0]} blocks of "
+                         f"{k_host.shape[1]} (blocks {blocks.tolist()}, offsets "
                          f"{offsets.tolist()}); nothing was written")
