@@ -57,6 +57,15 @@ inline v4 splat(float x) { return v4{x, x, x, x}; }
 inline v4 ld(const float* p) { v4 r; std::memcpy(&r, p, sizeof r); return r; }
 inline void st(float* p, v4 v) { std::memcpy(p, &v, sizeof v); }
 
+// Eight lanes: the scores' and P.V's multiply-adds on float tiles. One AVX2 register on x86
+// (two FMA pipes of eight lanes: the four-lane form used half of each), two NEON registers
+// on Arm, where the compiler splits each operation in two at no loss. Lane for lane the
+// same arithmetic in the same order as four lanes: only the instructions are wider.
+typedef float v8 __attribute__((vector_size(32)));
+inline v8 splat8(float x) { return v8{x, x, x, x, x, x, x, x}; }
+inline v8 ld8(const float* p) { v8 r; std::memcpy(&r, p, sizeof r); return r; }
+inline void st8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+
 // Four elements of a pool row widened to floats in registers. GCC turns the vector
 // extensions' int8 and float16 conversions into four scalar ones, so x86 says what it means
 // (SSE4.1, F16C); elsewhere the generic form (Clang lowers it to NEON's widening moves).
@@ -103,20 +112,20 @@ inline v4 ld4(const int8_t* p) {
 // Scores of R query rows (qs, stride d_len) against one block's transposed K tile kt[D][BS].
 template <int BS, int R>
 inline void tile_scores(const float* qs, int d_len, const float* kt, float* s) {
-  constexpr int NV = BS / 4;
-  v4 acc[R][NV];
+  constexpr int NV = BS / 8;
+  v8 acc[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NV; ++n) acc[r][n] = splat(0.f);
+    for (int n = 0; n < NV; ++n) acc[r][n] = splat8(0.f);
   for (int i = 0; i < d_len; ++i) {
-    v4 kv[NV];
-    for (int n = 0; n < NV; ++n) kv[n] = ld(kt + i * BS + 4 * n);
+    v8 kv[NV];
+    for (int n = 0; n < NV; ++n) kv[n] = ld8(kt + i * BS + 8 * n);
     for (int r = 0; r < R; ++r) {
-      const v4 a = splat(qs[r * d_len + i]);
+      const v8 a = splat8(qs[r * d_len + i]);
       for (int n = 0; n < NV; ++n) acc[r][n] += a * kv[n];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NV; ++n) st(s + r * BS + 4 * n, acc[r][n]);
+    for (int n = 0; n < NV; ++n) st8(s + r * BS + 8 * n, acc[r][n]);
 }
 
 // One block's K for one KV head, widened (int8: times each token's scale) and transposed
@@ -158,18 +167,23 @@ inline void widen_v(const T* v, size_t stride, int in_block, const float* v_scal
 inline void tile_pv(float* ar, float rescale, const float* p, int seen, const float* vb,
                     size_t stride, int d_len) {
   int c = 0;
-  for (; c + 32 <= d_len; c += 32) {  // 32 lanes: eight accumulators in registers
-    v4 a[8];
-    const v4 sc = splat(rescale);
-    for (int n = 0; n < 8; ++n) a[n] = ld(ar + c + 4 * n) * sc;
+  for (; c + 64 <= d_len; c += 64) {  // 64 lanes: eight accumulators in registers
+    v8 a[8];
+    const v8 sc = splat8(rescale);
+    for (int n = 0; n < 8; ++n) a[n] = ld8(ar + c + 8 * n) * sc;
     for (int o = 0; o < seen; ++o) {
-      const v4 pv = splat(p[o]);
+      const v8 pv = splat8(p[o]);
       const float* vr = vb + o * stride + c;
-      for (int n = 0; n < 8; ++n) a[n] += pv * ld(vr + 4 * n);
+      for (int n = 0; n < 8; ++n) a[n] += pv * ld8(vr + 8 * n);
     }
-    for (int n = 0; n < 8; ++n) st(ar + c + 4 * n, a[n]);
+    for (int n = 0; n < 8; ++n) st8(ar + c + 8 * n, a[n]);
   }
-  for (; c < d_len; c += 4) {  // head dims that are not a multiple of 32 (a multiple of 4)
+  for (; c + 8 <= d_len; c += 8) {  // head dims that are not a multiple of 64
+    v8 a = ld8(ar + c) * splat8(rescale);
+    for (int o = 0; o < seen; ++o) a += splat8(p[o]) * ld8(vb + o * stride + c);
+    st8(ar + c, a);
+  }
+  for (; c < d_len; c += 4) {  // nor of 8 (a multiple of 4)
     v4 a = ld(ar + c) * splat(rescale);
     for (int o = 0; o < seen; ++o) a += splat(p[o]) * ld(vb + o * stride + c);
     st(ar + c, a);
@@ -186,14 +200,14 @@ constexpr int kWidenRows = 24;
 // Item ``it``, KV head ``kh``, query positions [jb, je) of the item: their rows for the G
 // heads of ``kh``. Per block: K widened into a transposed tile kt[D][BS] (vector loads and an
 // in-register transpose) shared by all these rows; their scores as register-blocked FMAs of
-// ``ROWS`` rows over the tile; an online softmax per row; P.V 32 lanes of a row at a time
+// ``ROWS`` rows over the tile; an online softmax per row; P.V 64 lanes of a row at a time
 // over the block's tokens, from a float32 pool's V read in place (fewer than kWidenRows rows)
 // or from a tile vb[BS][D] widened once (int8: scaled). Both do a row's arithmetic in the
 // same order on the same values, so a row's output does not depend on which rows share its
 // call or how a call is split.
 template <typename T, int BS>
 void attend_one(const Args& a, int it, int kh, int jb, int je, std::vector<float>& buf) {
-  constexpr int ROWS = BS == 8 ? 4 : BS == 16 ? 2 : 1;  // accumulators: ROWS * BS / 4 = 8
+  constexpr int ROWS = BS == 8 ? 8 : BS == 16 ? 4 : 2;  // accumulators: ROWS * BS / 8 = 8
   constexpr bool kFloatPool = std::is_same<T, float>::value;
   const int group = a.heads / a.kv_heads, d_len = a.head_dim;
   const int len = a.q_len[it], ctx = a.context[it], rows = (je - jb) * group;

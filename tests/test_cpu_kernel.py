@@ -181,8 +181,10 @@ def test_the_pool_is_read_in_place():
 PLANTED = {
     "causal mask one token late": ("before + j + 1 - t0", "before + j + 2 - t0",
                                    mx.float32, [(9, 40)]),
-    "no rescale of the sums so far": ("a[n] = ld(ar + c + 4 * n) * sc;",
-                                      "a[n] = ld(ar + c + 4 * n);", mx.float32, [(4, 90)]),
+    "no rescale of the sums so far": ("a[n] = ld8(ar + c + 8 * n) * sc;",
+                                      "a[n] = ld8(ar + c + 8 * n);", mx.float32, [(4, 90)], 64),
+    "no rescale in a head's last lanes": ("v8 a = ld8(ar + c) * splat8(rescale);",
+                                          "v8 a = ld8(ar + c);", mx.float32, [(4, 90)]),
     "K transposed into the wrong lanes": ("st(kt + (i0 + 1) * BS + o0",
                                           "st(kt + (i0 + 2) * BS + o0", mx.float32, [(3, 50)]),
     "int8 K without its scales": ("k_scale[o] = static_cast<float>(a.k_scales[slot]);", "",
@@ -208,7 +210,9 @@ PLANTED = {
 
 @pytest.mark.parametrize("bug", list(PLANTED))
 def test_planted_bugs_are_caught(bug, tmp_path, monkeypatch):
-    old, new, dtype, chunks = PLANTED[bug]
+    """Each plant on a step whose shapes run the planted line: head dim 32 unless it says
+    (P.V runs a head's lanes 64 at a time, then 8 at a time: 32 reaches only the latter)."""
+    old, new, dtype, chunks, *head_dim = PLANTED[bug]
     source = cpu_kernel.SOURCE_PATH.read_text()
     assert source.count(old) == 1, f"the plant site of {bug!r} moved"
     planted = tmp_path / "paged_attention_cpu.cpp"
@@ -216,7 +220,8 @@ def test_planted_bugs_are_caught(bug, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDCHAT_KERNEL_CACHE", str(tmp_path / "cache"))
     library = cpu_kernel.build(Path(planted))
     rng = random.Random(5)
-    batch, works, q, pools, pools64 = _step(rng, [20, 33], chunks, 6, 2, 32, 16, dtype)
+    batch, works, q, pools, pools64 = _step(rng, [20, 33], chunks, 6, 2, *(head_dim or [32]),
+                                            16, dtype)
     _check(batch, works, q, pools, pools64)  # the real kernel passes this very case
     with pytest.raises(AssertionError):
         _check(batch, works, q, pools, pools64, library=library)
