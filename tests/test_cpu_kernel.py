@@ -212,7 +212,8 @@ PLANTED = {
 def test_planted_bugs_are_caught(bug, tmp_path, monkeypatch):
     """Each plant on a step whose shapes run the planted line: head dim 32 unless it says
     (P.V runs a head's lanes 64 at a time, then 8 at a time: 32 reaches only the latter)."""
-    old, new, dtype, chunks, *head_dim = PLANTED[bug]
+    old, new, dtype, chunks, *given = PLANTED[bug]
+    head_dim = given[0] if given else 32
     source = cpu_kernel.SOURCE_PATH.read_text()
     assert source.count(old) == 1, f"the plant site of {bug!r} moved"
     planted = tmp_path / "paged_attention_cpu.cpp"
@@ -220,8 +221,7 @@ def test_planted_bugs_are_caught(bug, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDCHAT_KERNEL_CACHE", str(tmp_path / "cache"))
     library = cpu_kernel.build(Path(planted))
     rng = random.Random(5)
-    batch, works, q, pools, pools64 = _step(rng, [20, 33], chunks, 6, 2, *(head_dim or [32]),
-                                            16, dtype)
+    batch, works, q, pools, pools64 = _step(rng, [20, 33], chunks, 6, 2, head_dim, 16, dtype)
     _check(batch, works, q, pools, pools64)  # the real kernel passes this very case
     with pytest.raises(AssertionError):
         _check(batch, works, q, pools, pools64, library=library)
