@@ -130,6 +130,10 @@ __device__ __forceinline__ void pc_unpack(const PcRaw<int8_t>& r, float (&o)[PC_
 // subnormals). The weights are split into an fp16 high and low part and p.v runs twice, so
 // they keep ~22 bits (one fp16 rounding of p alone moved outputs by 1e-3 relative); fp32
 // queries are split the same way (q.k twice); fp16 and bf16 queries are exact in fp16.
+// With at most 8 heads a KV head (G <= 8: the A fragment's rows g + 8 would be padding), the
+// low parts ride in rows g + 8 instead of a second MMA: row g + 8 of P holds row g's low
+// weights (of q, row g's low query part), so C rows g + 8 accumulate the low products and are
+// added to rows g at the end. p.v (and fp32 q.k) then costs one MMA a tile, not two.
 #if defined(CUDA_EMU) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #define PC_TC_ARCH 1
 #else
@@ -203,9 +207,10 @@ struct PcTcTile {
 // NW n of this partition, tokens [tok_begin, tok_end). Writes the warp's (max, sum) per row
 // (base-2 units) to sm_ml and its unnormalised output rows to sm_acc, as the SIMT body does
 // before the cross-warp merge. q_row: the first of the G rows of this (sequence, KV head, query
-// token), q_stride apart; sc: the softmax scale times log2 e. PREFETCH: the next tile's loads
-// are issued before this tile's MMAs (more registers, fewer warps waiting on memory).
-template <typename T, typename KV, int D, int BS, int G, int NW, bool PREFETCH>
+// token), q_stride apart; sc: the softmax scale times log2 e. PREFETCH (0, 1 or 2): how many
+// tiles ahead the loads are issued before this tile's MMAs (more registers, fewer warps
+// waiting on memory).
+template <typename T, typename KV, int D, int BS, int G, int NW, int PREFETCH>
 __device__ __forceinline__ void pc_tc_warp(
     const T* q_row, size_t q_stride, const KV* k_pool, const KV* v_pool, const __half* k_scales,
     const __half* v_scales, const int* table, int KVH, int kvh, int blk_begin, int blk_end,
@@ -219,6 +224,7 @@ __device__ __forceinline__ void pc_tc_warp(
   constexpr int TILES = D / 8;  // p.v column tiles
   constexpr bool SPLIT = sizeof(T) == 4;  // fp32 q: a high and a low fp16 part
   constexpr bool HIGH = R > 8;  // rows g + 8 hold heads
+  constexpr bool LO_ROWS = !HIGH;  // rows g + 8 hold row g's low parts (one MMA, not two)
   constexpr float NEG = -1.0e30f;
   const int lane = int(threadIdx.x) & 31;
   const int warp = int(threadIdx.x) >> 5;
@@ -262,6 +268,9 @@ __device__ __forceinline__ void pc_tc_warp(
         if constexpr (SPLIT) {
           qa_lo[kk][2 * half + h] = pc_f2_h2(pc_h_rest(x0), pc_h_rest(x1));
         }
+      }
+      if constexpr (SPLIT && LO_ROWS) {  // row g + 8: row g's low part
+        qa[kk][2 * half + 1] = qa_lo[kk][2 * half];
       }
     }
   }
@@ -336,13 +345,24 @@ __device__ __forceinline__ void pc_tc_warp(
     }
   };
 
+  static_assert(PREFETCH >= 0 && PREFETCH <= 2, "PC_TC_PREFETCH: 0, 1 or 2 tiles ahead");
   PcTcTile<KW, VW> tile;
-  PcTcTile<KW, VW> next;
-  if (PREFETCH && ntiles > 0) {
+  PcTcTile<KW, VW> next;   // tile it + 1 (PREFETCH >= 1)
+  PcTcTile<KW, VW> after;  // tile it + 2 (PREFETCH == 2)
+  if (PREFETCH >= 1 && ntiles > 0) {
     load_tile(0, next);
   }
+  if (PREFETCH >= 2 && ntiles > 1) {
+    load_tile(1, after);
+  }
   for (int it = 0; it < ntiles; ++it) {
-    if constexpr (PREFETCH) {
+    if constexpr (PREFETCH == 2) {
+      tile = next;
+      next = after;
+      if (it + 2 < ntiles) {
+        load_tile(it + 2, after);  // in flight while this tile and the next compute
+      }
+    } else if constexpr (PREFETCH == 1) {
       tile = next;
       if (it + 1 < ntiles) {
         load_tile(it + 1, next);  // in flight while this tile computes
@@ -374,9 +394,13 @@ __device__ __forceinline__ void pc_tc_warp(
         const uint32_t b[2] = {pc_i8x2_h2(__byte_perm(w, 0u, 0x0100)),
                                pc_i8x2_h2(__byte_perm(w, 0u, 0x0302))};
         pc_mma(s[hf], qa[kk], b);
-        if constexpr (SPLIT) {
+        if constexpr (SPLIT && !LO_ROWS) {
           pc_mma(s[hf], qa_lo[kk], b);
         }
+      }
+      if constexpr (SPLIT && LO_ROWS) {  // row g's score: its high part plus its low part
+        s[hf][0] += s[hf][2];
+        s[hf][1] += s[hf][3];
       }
     }
     // Scores in base-2 units; s[hf][0..1]: row g, tokens 8 hf + 2t + {0, 1}; [2..3]: row g + 8.
@@ -418,6 +442,9 @@ __device__ __forceinline__ void pc_tc_warp(
       if constexpr (HIGH) {
         acc[j][2] *= rescale[1];
         acc[j][3] *= rescale[1];
+      } else {  // LO_ROWS: row g's low products
+        acc[j][2] *= rescale[0];
+        acc[j][3] *= rescale[0];
       }
     }
     float pw[2][4];  // weights times the V scale, scaled for fp16
@@ -432,14 +459,22 @@ __device__ __forceinline__ void pc_tc_warp(
         pw[hf][i] = p * vs[v] * to_fp16;
       }
     }
-    // P as the A fragment: {rows g, g + 8} x {tokens 2t.., 2t+8..}.
-    const uint32_t pa[4] = {pc_f2_h2(pw[0][0], pw[0][1]), pc_f2_h2(pw[0][2], pw[0][3]),
-                            pc_f2_h2(pw[1][0], pw[1][1]), pc_f2_h2(pw[1][2], pw[1][3])};
-    uint32_t pa_lo[4];  // the weights' low parts: p keeps ~22 bits, as fp32 p would in effect
-    {
-      pa_lo[0] = pc_f2_h2(pc_h_rest(pw[0][0]), pc_h_rest(pw[0][1]));
+    // P as the A fragment: {rows g, g + 8} x {tokens 2t.., 2t+8..}. The weights' low parts
+    // (p keeps ~22 bits, as fp32 p would in effect) go in rows g + 8 (LO_ROWS) or in a second
+    // fragment.
+    uint32_t pa[4];
+    uint32_t pa_lo[4];
+    pa[0] = pc_f2_h2(pw[0][0], pw[0][1]);
+    pa[2] = pc_f2_h2(pw[1][0], pw[1][1]);
+    pa_lo[0] = pc_f2_h2(pc_h_rest(pw[0][0]), pc_h_rest(pw[0][1]));
+    pa_lo[2] = pc_f2_h2(pc_h_rest(pw[1][0]), pc_h_rest(pw[1][1]));
+    if constexpr (LO_ROWS) {
+      pa[1] = pa_lo[0];
+      pa[3] = pa_lo[2];
+    } else {
+      pa[1] = pc_f2_h2(pw[0][2], pw[0][3]);
+      pa[3] = pc_f2_h2(pw[1][2], pw[1][3]);
       pa_lo[1] = pc_f2_h2(pc_h_rest(pw[0][2]), pc_h_rest(pw[0][3]));
-      pa_lo[2] = pc_f2_h2(pc_h_rest(pw[1][0]), pc_h_rest(pw[1][1]));
       pa_lo[3] = pc_f2_h2(pc_h_rest(pw[1][2]), pc_h_rest(pw[1][3]));
     }
     // O += P V: tile j's B column g is V element DV g + j of tokens 2t, 2t+1 / 2t+8, 2t+9.
@@ -450,7 +485,9 @@ __device__ __forceinline__ void pc_tc_warp(
       const uint32_t b[2] = {pc_i8x2_h2(__byte_perm(vw[0][w], vw[1][w], sel)),
                              pc_i8x2_h2(__byte_perm(vw[2][w], vw[3][w], sel))};
       pc_mma(acc[j], pa, b);
-      pc_mma(acc[j], pa_lo, b);
+      if constexpr (!LO_ROWS) {
+        pc_mma(acc[j], pa_lo, b);
+      }
     }
   }
 
@@ -473,8 +510,14 @@ __device__ __forceinline__ void pc_tc_warp(
     }
 #pragma unroll
     for (int j = 0; j < TILES; ++j) {
-      sm_acc[(warp * R + r) * D + DV * (2 * t) + j] = acc[j][2 * h] * unscale;
-      sm_acc[(warp * R + r) * D + DV * (2 * t + 1) + j] = acc[j][2 * h + 1] * unscale;
+      float o0 = acc[j][2 * h];
+      float o1 = acc[j][2 * h + 1];
+      if constexpr (LO_ROWS) {  // plus row g's low products (rows g + 8)
+        o0 += acc[j][2];
+        o1 += acc[j][3];
+      }
+      sm_acc[(warp * R + r) * D + DV * (2 * t) + j] = o0 * unscale;
+      sm_acc[(warp * R + r) * D + DV * (2 * t + 1) + j] = o1 * unscale;
     }
   }
 }

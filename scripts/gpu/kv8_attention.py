@@ -1,7 +1,8 @@
 """Issue #26 on the H200: the 8-bit paged decode kernel against the 16-bit one.
 
     python3 scripts/gpu/kv8_attention.py [--repeats N] [--json PATH]
-        [--baseline-source OLD.cu] [--step-tokens 4,8] [--define NAME=VALUE] [--shapes 8B]
+        [--baseline-source OLD.cu] [--step-tokens 4,8] [--define NAME=VALUE] [--split-variant]
+        [--shapes 8B]
 
 All 32 (8B) or 16 (1B) layers' decode attention of one step, 64 sequences x 2048 tokens, bf16
 queries: the CUDA kernel over a bf16 pool and over an int8 pool with fp16 scales (the same
@@ -16,7 +17,9 @@ compiles them apart) on the same data, interleaved with the current ones, and th
 new8/new16, new16/old16 and new8/old8. ``--step-tokens`` adds variants of the current source
 with ``#define PC_NT N`` (tokens per lane per step; the kernel's default is 4 at this shape) to
 pick the step size on the device; ``--define NAME=VALUE`` any other compile-time switch
-(``PC_TC_PREFETCH=0``: the tensor-core decode without its next-tile prefetch). Each
+(``PC_TC_PREFETCH=0``: the tensor-core decode without its next-tile prefetch, ``=2``: two
+tiles ahead); ``--split-variant`` the current source launched split-K (``split=True``: 512-token
+partitions and a reduce; at 64 x 8 (sequence, KV head) groups the engine does not split). Each
 variant's time is the GPU time of evaluating all layers'
 already-built graphs (graph construction is outside the timed region), with its effective
 bandwidth: K/V bytes read (scales included for 8-bit) / time.
@@ -58,8 +61,9 @@ def load_sources(text: str, suffix: str, defines: str = "") -> dict[str, KernelS
 
 
 def variants(args) -> dict[str, dict[str, KernelSource]]:
-    """Name -> kernel sources: "new" (the checkout's file), "old" (--baseline-source) and
-    "ntN" (--step-tokens), "nameVALUE" (--define NAME=VALUE)."""
+    """Name -> kernel sources: "new" (the checkout's file), "old" (--baseline-source),
+    "ntN" (--step-tokens), "nameVALUE" (--define NAME=VALUE) and "split" (--split-variant:
+    the checkout's file, launched split-K)."""
     current = cuda_kernels.CUDA_SHADER_PATH.read_text()
     out = {"new": load_sources(current, "")}
     if args.baseline_source:
@@ -70,6 +74,8 @@ def variants(args) -> dict[str, dict[str, KernelSource]]:
         name, _, value = define.partition("=")
         key = f"{name.lower()}{value}"
         out[key] = load_sources(current, f"_{key}", f"#define {name} {value}\n")
+    if args.split_variant:
+        out["split"] = load_sources(current, "_split")
     return out
 
 
@@ -112,10 +118,12 @@ def case(shape: dict, batch: int, context: int, repeats: int,
     # Plans built once per (variant, layer): the timed region runs kernels only.
     runs = {}
     for name, src in sources.items():
-        p16 = [cuda_kernels.plan_attention(q, k, v, tables, lens, scale, sources=src)
+        split = True if name == "split" else None  # None: the engine's choice
+        p16 = [cuda_kernels.plan_attention(q, k, v, tables, lens, scale, sources=src,
+                                           split=split)
                for q, k, v in full]
         p8 = [cuda_kernels.plan_attention(q, k, v, tables, lens, scale, sources=src,
-                                          k_scales=ks, v_scales=vs)
+                                          split=split, k_scales=ks, v_scales=vs)
               for q, k, v, ks, vs in q8]
         runs[f"{name}16"] = lambda plans=p16: [cuda_kernels.KERNELS.run(p)[-1][0] for p in plans]
         runs[f"{name}8"] = lambda plans=p8: [cuda_kernels.KERNELS.run(p)[-1][0] for p in plans]
@@ -155,6 +163,7 @@ def case(shape: dict, batch: int, context: int, repeats: int,
 
     row["ratios"] = {f"{a}/{b}": r for a, b in (
         ("new8", "new16"), ("new16", "old16"), ("new8", "old8"), ("old8", "old16"),
+        ("split8", "split16"), ("split16", "new16"), ("split8", "new16"),
         *[(f"nt{n}8", f"nt{n}16") for n in (1, 2, 4, 8)],
         *[(f"nt{n}16", "new16") for n in (1, 2, 4, 8)],
         *[(f"nt{n}8", "new8") for n in (1, 2, 4, 8)],
@@ -181,6 +190,8 @@ def parse_args(argv=None):
     parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                         help="time the current source with '#define NAME VALUE' in front of "
                              "the attention body as one more variant (repeatable)")
+    parser.add_argument("--split-variant", action="store_true",
+                        help="time the current source launched split-K as one more variant")
     parser.add_argument("--shapes", default="1B,8B",
                         type=lambda s: [x for x in s.split(",") if x])
     parser.add_argument("--check-only", action="store_true",
