@@ -11,13 +11,21 @@ greedy paths? The same 20 prompts, 64 greedy tokens, through mlx-lm's ``generate
 * K/V rounded to bf16 as they are stored (what a bf16 pool would hold; attention in fp32);
 * PagedChat's 8-bit scheme (engine/kv/int8.py: symmetric, one fp16 scale per token and KV
   head), K/V quantized and dequantized as they are stored: the pool's numbers without the
-  engine's batching.
+  engine's batching;
+* two schemes the pool does not use, to see what would reach the target (the open block is
+  the last, partly filled block of BLOCK tokens, which a pool could keep in full precision
+  until it fills, as KIVI keeps its residual):
+  - the pool's scheme on filled blocks, the open block in full precision;
+  - K quantized per channel over each filled block (one scale per head-dim element, as KIVI
+    does for K, whose outliers sit in channels), V per token, the open block in full
+    precision.
 
-    source scripts/env.sh; .venv/bin/python -m bench.kv8_reference_agreement
+    source scripts/env.sh; .venv/bin/python -m bench.kv8_reference_agreement [--only TEXT]
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import mlx.core as mx
@@ -29,6 +37,7 @@ from engine.kv import int8
 from engine.models.resolve import load_model
 
 MAX_TOKENS = 64
+BLOCK = 16  # the pool's default block size
 
 
 class Bf16KVCache(KVCache):
@@ -52,6 +61,47 @@ class PagedInt8KVCache(KVCache):
         return super().update_and_fetch(through_int8(keys), through_int8(values))
 
 
+def _filled_blocks(x: mx.array, quantized) -> mx.array:
+    """x [B, heads, T, D] with its first BLOCK * (T // BLOCK) tokens through ``quantized``
+    (a function of [B, heads, blocks, BLOCK, D]) and the open block as it is."""
+    b, h, t, d = x.shape
+    n = t // BLOCK * BLOCK
+    if n == 0:
+        return x
+    blocks = quantized(x[:, :, :n].reshape(b, h, n // BLOCK, BLOCK, d)).reshape(b, h, n, d)
+    return mx.concatenate([blocks, x[:, :, n:]], axis=2) if n < t else blocks
+
+
+def _per_token(blocks: mx.array) -> mx.array:
+    q, scales = int8.quantize(blocks)
+    return int8.dequantize(q, scales, blocks.dtype)
+
+
+def _per_channel(blocks: mx.array) -> mx.array:
+    """Symmetric int8 with one scale per (block, head, channel): the max over the block's
+    tokens."""
+    scale = mx.maximum(mx.max(mx.abs(blocks), axis=-2, keepdims=True), 1e-8) / 127.0
+    return (mx.clip(mx.round(blocks / scale), -127, 127) * scale).astype(blocks.dtype)
+
+
+class OpenBlockFullCache(KVCache):
+    """The pool's scheme on filled blocks; the open block in full precision. mlx-lm's cache
+    keeps the exact K/V; what attention reads is quantized per filled block on the way out."""
+
+    k_scheme = staticmethod(_per_token)
+    v_scheme = staticmethod(_per_token)
+
+    def update_and_fetch(self, keys, values):
+        k, v = super().update_and_fetch(keys, values)
+        return _filled_blocks(k, self.k_scheme), _filled_blocks(v, self.v_scheme)
+
+
+class PerChannelKeysCache(OpenBlockFullCache):
+    """K per channel over each filled block, V per token, the open block in full precision."""
+
+    k_scheme = staticmethod(_per_channel)
+
+
 def greedy(model, prompt: list[int], **kwargs) -> list[int]:
     tokens = []
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS,
@@ -67,6 +117,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="run the variants whose name holds TEXT")
+    args = parser.parse_args()
     t0 = time.perf_counter()
     loaded = load_model("default")
     model, tok = loaded.model, loaded.tokenizer
@@ -78,7 +131,11 @@ if __name__ == "__main__":
         "mlx-lm 4-bit cache (affine, group 64)": dict(kv_bits=4, quantized_kv_start=0),
         "K/V rounded to bf16": Bf16KVCache,
         "PagedChat's 8-bit scheme (symmetric, per token and head)": PagedInt8KVCache,
+        "PagedChat's scheme, the open block in full precision": OpenBlockFullCache,
+        "K per channel a block, V per token, the open block in full precision":
+            PerChannelKeysCache,
     }
+    variants = {name: v for name, v in variants.items() if args.only in name}
     reference = [greedy(model, p) for p in prompts]
     print(f"# Greedy agreement with the fp32 cache, mlx-lm only ({len(prompts)} prompts, "
           f"{MAX_TOKENS} tokens; {loaded.name})\n")
