@@ -18,7 +18,11 @@ greedy paths? The same 20 prompts, 64 greedy tokens, through mlx-lm's ``generate
   - the pool's scheme on filled blocks, the open block in full precision;
   - K quantized per channel over each filled block (one scale per head-dim element, as KIVI
     does for K, whose outliers sit in channels), V per token, the open block in full
-    precision.
+    precision;
+  - K per channel over each filled block, requantized from its per-token values when the
+    block fills (what a pool could do without a full-precision open block), V and the open
+    block per token;
+  - K and V both per channel over each filled block, the open block in full precision.
 
     source scripts/env.sh; .venv/bin/python -m bench.kv8_reference_agreement [--only TEXT]
 """
@@ -102,6 +106,33 @@ class PerChannelKeysCache(OpenBlockFullCache):
     k_scheme = staticmethod(_per_channel)
 
 
+def _open_block(x: mx.array, filled, open_) -> mx.array:
+    """As ``_filled_blocks`` with the open block through ``open_`` (per token) too."""
+    b, h, t, d = x.shape
+    n = t // BLOCK * BLOCK
+    head = _filled_blocks(x[:, :, :n], filled) if n else x[:, :, :0]
+    if n == t:
+        return head
+    return mx.concatenate([head, _per_token(x[:, :, n:][:, :, None])[:, :, 0]], axis=2)
+
+
+class RequantizedKeysCache(KVCache):
+    """K per channel over each filled block, from the per-token values the open block held;
+    V and the open block per token."""
+
+    def update_and_fetch(self, keys, values):
+        k, v = super().update_and_fetch(keys, values)
+        return (_open_block(k, lambda blk: _per_channel(_per_token(blk)), _per_token),
+                _open_block(v, _per_token, _per_token))
+
+
+class PerChannelBothCache(OpenBlockFullCache):
+    """K and V per channel over each filled block, the open block in full precision."""
+
+    k_scheme = staticmethod(_per_channel)
+    v_scheme = staticmethod(_per_channel)
+
+
 def greedy(model, prompt: list[int], **kwargs) -> list[int]:
     tokens = []
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS,
@@ -134,6 +165,9 @@ if __name__ == "__main__":
         "PagedChat's scheme, the open block in full precision": OpenBlockFullCache,
         "K per channel a block, V per token, the open block in full precision":
             PerChannelKeysCache,
+        "K per channel a block requantized from per token, V per token, nothing full":
+            RequantizedKeysCache,
+        "K and V per channel a block, the open block in full precision": PerChannelBothCache,
     }
     variants = {name: v for name, v in variants.items() if args.only in name}
     reference = [greedy(model, p) for p in prompts]
