@@ -133,7 +133,9 @@ __device__ __forceinline__ void pc_unpack(const PcRaw<int8_t>& r, float (&o)[PC_
 // With at most 8 heads a KV head (G <= 8: the A fragment's rows g + 8 would be padding), the
 // low parts ride in rows g + 8 instead of a second MMA: row g + 8 of P holds row g's low
 // weights (of q, row g's low query part), so C rows g + 8 accumulate the low products and are
-// added to rows g at the end. p.v (and fp32 q.k) then costs one MMA a tile, not two.
+// added to rows g at the end. p.v (and fp32 q.k) then costs one MMA a tile, not two. Behind
+// PC_TC_LO_ROWS (default 0) until it is timed on the GPU: scripts/gpu/kv8_attention.py
+// --define PC_TC_LO_ROWS=1.
 #if defined(CUDA_EMU) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 #define PC_TC_ARCH 1
 #else
@@ -209,8 +211,9 @@ struct PcTcTile {
 // before the cross-warp merge. q_row: the first of the G rows of this (sequence, KV head, query
 // token), q_stride apart; sc: the softmax scale times log2 e. PREFETCH (0, 1 or 2): how many
 // tiles ahead the loads are issued before this tile's MMAs (more registers, fewer warps
-// waiting on memory).
-template <typename T, typename KV, int D, int BS, int G, int NW, int PREFETCH>
+// waiting on memory). LO_ROWS_IF_FREE: the low parts in rows g + 8 when G <= 8 (above).
+template <typename T, typename KV, int D, int BS, int G, int NW, int PREFETCH,
+          bool LO_ROWS_IF_FREE>
 __device__ __forceinline__ void pc_tc_warp(
     const T* q_row, size_t q_stride, const KV* k_pool, const KV* v_pool, const __half* k_scales,
     const __half* v_scales, const int* table, int KVH, int kvh, int blk_begin, int blk_end,
@@ -224,7 +227,7 @@ __device__ __forceinline__ void pc_tc_warp(
   constexpr int TILES = D / 8;  // p.v column tiles
   constexpr bool SPLIT = sizeof(T) == 4;  // fp32 q: a high and a low fp16 part
   constexpr bool HIGH = R > 8;  // rows g + 8 hold heads
-  constexpr bool LO_ROWS = !HIGH;  // rows g + 8 hold row g's low parts (one MMA, not two)
+  constexpr bool LO_ROWS = LO_ROWS_IF_FREE && !HIGH;  // rows g + 8: row g's low parts
   constexpr float NEG = -1.0e30f;
   const int lane = int(threadIdx.x) & 31;
   const int warp = int(threadIdx.x) >> 5;
@@ -442,7 +445,7 @@ __device__ __forceinline__ void pc_tc_warp(
       if constexpr (HIGH) {
         acc[j][2] *= rescale[1];
         acc[j][3] *= rescale[1];
-      } else {  // LO_ROWS: row g's low products
+      } else if constexpr (LO_ROWS) {  // row g's low products
         acc[j][2] *= rescale[0];
         acc[j][3] *= rescale[0];
       }
@@ -585,6 +588,9 @@ static_assert(QT >= 1 && (QT == 1 || PART == 0), "prefill rows are never split")
 #ifndef PC_TC_PREFETCH
 #define PC_TC_PREFETCH 1  // scripts/gpu/kv8_attention.py --define PC_TC_PREFETCH=0 times without
 #endif
+#ifndef PC_TC_LO_ROWS
+#define PC_TC_LO_ROWS 0  // 1: the low parts in the A fragment's spare rows (pc_tc_warp), untimed
+#endif
 constexpr bool TC = pc_tc_shape<D, BS, G, QT>();  // decode on the tensor cores (pc_tc_warp)
 #else
 constexpr bool TC = false;
@@ -630,7 +636,8 @@ const int blk_end = (tok_end + BS - 1) / BS;
 
 #if PC_KV8
 if constexpr (TC) {  // tensor cores: this warp's rows straight to shared memory
-  pc_tc_warp<T, KV, TC ? D : 64, TC ? BS : 16, TC ? G : 1, NW, PC_TC_PREFETCH>(
+  pc_tc_warp<T, KV, TC ? D : 64, TC ? BS : 16, TC ? G : 1, NW, PC_TC_PREFETCH,
+             PC_TC_LO_ROWS != 0>(
       q + ((size_t(b) * H + size_t(kvh) * G) * L + l0) * D, size_t(L) * D, k_pool, v_pool,
       k_scales, v_scales, block_tables + size_t(b) * MB, KVH, kvh, blk_begin, blk_end, tok_end,
       sc, sm_ml, sm_acc);

@@ -206,8 +206,9 @@ MUTANT_CASE = Case(3, 2, 64, 16, mx.float32, split=True, simdgroups=2)  # KVH > 
 # planted in a head dim the tensor-core path does not take.
 MUTANT_SIMT = Case(3, 2, 80, 16, mx.float32, split=True, simdgroups=2)
 MUTANT_TC_BF16 = Case(12, 1, 128, 16, mx.bfloat16, split=False)  # rows g + 8, fp16-exact q
-MUTANT_TC_F32 = Case(12, 1, 64, 16, mx.float32, split=False)  # rows g + 8, split fp32 q
 MUTANT_PREFILL = PrefillCase(4, 2, 64, 16, mx.float32, context=100, chunk=20, warps=2)
+KERNEL_MARKER = "// ==== kernel: paged_attention ===="
+LO_ROWS = "#define PC_TC_LO_ROWS 1"  # the tensor-core decode's low parts in spare MMA rows
 
 CUDA_MUTANTS = {
     # the scale of KV head 0 for every head
@@ -251,24 +252,27 @@ CUDA_MUTANTS = {
     # the K scale never applied to the scores
     "tc_k_scale_dropped": ("s[hf][i] * row_sc[h] * ks[v] : NEG;", "s[hf][i] * row_sc[h] : NEG;",
                            MUTANT_CASE),
-    # the weights' low fp16 parts dropped (p rounded to fp16 once): rows g + 8 of P left empty
-    "tc_low_weight_part_dropped": ("      pa[1] = pa_lo[0];\n      pa[3] = pa_lo[2];\n",
-                                   "      pa[1] = 0u;\n      pa[3] = 0u;\n", MUTANT_CASE),
-    # ... and with more than 8 heads a KV head, where they take a second MMA
-    "tc_low_weight_part_dropped_high_rows": ("        pc_mma(acc[j], pa_lo, b);\n", "",
-                                             MUTANT_TC_F32),
+    # the weights' low fp16 parts dropped (p rounded to fp16 once)
+    "tc_low_weight_part_dropped": ("        pc_mma(acc[j], pa_lo, b);\n", "", MUTANT_CASE),
+    # ---- the same with PC_TC_LO_ROWS 1: the low parts in the A fragment's rows g + 8 ----
+    # the weights' low parts dropped: rows g + 8 of P left empty
+    "lo_rows_low_weight_part_dropped": (
+        "      pa[1] = pa_lo[0];\n      pa[3] = pa_lo[2];\n",
+        "      pa[1] = 0u;\n      pa[3] = 0u;\n", MUTANT_CASE, LO_ROWS),
     # the low products (rows g + 8) never added to their row
-    "tc_low_rows_not_added": ("        o0 += acc[j][2];\n        o1 += acc[j][3];\n", "",
-                              MUTANT_CASE),
+    "lo_rows_not_added": ("        o0 += acc[j][2];\n        o1 += acc[j][3];\n", "",
+                          MUTANT_CASE, LO_ROWS),
     # the low products not rescaled when the row's max or the tile's exponent moves
-    "tc_low_rows_not_rescaled": (
-        "        acc[j][2] *= rescale[0];\n        acc[j][3] *= rescale[0];\n", "", MUTANT_CASE),
+    "lo_rows_not_rescaled": (
+        "        acc[j][2] *= rescale[0];\n        acc[j][3] *= rescale[0];\n", "", MUTANT_CASE,
+        LO_ROWS),
     # fp32 queries: the low part of q (rows g + 8 of Q) dropped
-    "tc_query_low_part_dropped": ("        qa[kk][2 * half + 1] = qa_lo[kk][2 * half];\n", "",
-                                  MUTANT_CASE),
+    "lo_rows_query_low_part_dropped": (
+        "        qa[kk][2 * half + 1] = qa_lo[kk][2 * half];\n", "", MUTANT_CASE, LO_ROWS),
     # fp32 queries: the low scores (rows g + 8 of S) never added to the row's score
-    "tc_low_scores_not_added": ("        s[hf][0] += s[hf][2];\n        s[hf][1] += s[hf][3];\n",
-                                "", MUTANT_CASE),
+    "lo_rows_low_scores_not_added": (
+        "        s[hf][0] += s[hf][2];\n        s[hf][1] += s[hf][3];\n", "", MUTANT_CASE,
+        LO_ROWS),
     # the accumulator's power of two not carried from tile to tile
     "tc_exponent_not_carried": ("rescale[h] = alpha * pc_exp2i(new_exp - acc_exp);",
                                 "rescale[h] = alpha;", MUTANT_CASE),
@@ -304,26 +308,36 @@ def mutated(path, kernels, old: str, new: str) -> dict:
     return kernels.KERNELS.parse(text.replace(old, new))
 
 
-# The tensor-core decode's load pipeline at each depth it compiles with (PC_TC_PREFETCH: tiles
-# loaded ahead; 1 is the default): short, ragged and long contexts, fp32 and bf16 queries.
-PREFETCH_CASES = [MUTANT_CASE, Case(4, 2, 128, 16, mx.bfloat16, split=False, lens=(4096, 1, 33))]
-KERNEL_MARKER = "// ==== kernel: paged_attention ===="
+# The tensor-core decode's compile-time switches, each away from its default (scripts/gpu/
+# kv8_attention.py --define times them): its load pipeline 0 or 2 tiles ahead (default 1), the
+# low parts in the spare MMA rows: short, ragged and long contexts, fp32 and bf16 queries.
+SWITCHES = ["#define PC_TC_PREFETCH 0", "#define PC_TC_PREFETCH 2", LO_ROWS]
+SWITCH_CASES = [MUTANT_CASE, Case(4, 2, 128, 16, mx.bfloat16, split=False, lens=(4096, 1, 33))]
 
 
-def cuda_prefetch_variant(depth: int) -> dict:
-    text = cuda_kernels.CUDA_SHADER_PATH.read_text()
+def cuda_source(text: str, defines: str = "") -> dict:
+    """The kernels of ``text`` with ``defines`` at the top of the attention body."""
     assert text.count(KERNEL_MARKER) == 1
-    return cuda_kernels.KERNELS.parse(
-        text.replace(KERNEL_MARKER, f"{KERNEL_MARKER}\n#define PC_TC_PREFETCH {depth}"))
+    if defines:
+        text = text.replace(KERNEL_MARKER, f"{KERNEL_MARKER}\n{defines}")
+    return cuda_kernels.KERNELS.parse(text)
 
 
 def metal_mutant(name: str) -> dict:
     return mutated(metal_kernels.SHADER_PATH, metal_kernels, *METAL_MUTANTS[name])
 
 
+def _cuda_text() -> str:
+    return cuda_kernels.CUDA_SHADER_PATH.read_text()
+
+
 def cuda_mutant(name: str) -> dict:
-    old, new, _ = CUDA_MUTANTS[name]
-    return mutated(cuda_kernels.CUDA_SHADER_PATH, cuda_kernels, old, new)
+    """A planted bug (old -> new) in the CUDA source, with the entry's defines if it has
+    them (a bug in code a compile-time switch turns on)."""
+    old, new, _, *defines = CUDA_MUTANTS[name]
+    text = _cuda_text()
+    assert text.count(old) == 1, f"mutation site {old!r} not found exactly once"
+    return cuda_source(text.replace(old, new), *defines)
 
 
 @pytest.fixture(scope="module")
@@ -335,15 +349,15 @@ def prebuilt():
     for case in [*DECODE_CASES, MUTANT_CASE]:
         sources += gen.plan_sources(plan_metal(case))
         sources += cgen.plan_sources(plan_cuda(case))
-    for case in [*PREFILL_CASES, MUTANT_PREFILL, MUTANT_SIMT, MUTANT_TC_BF16, MUTANT_TC_F32]:
+    for case in [*PREFILL_CASES, MUTANT_PREFILL, MUTANT_SIMT, MUTANT_TC_BF16]:
         sources += cgen.plan_sources(plan_cuda(case))
     for name in METAL_MUTANTS:
         sources += gen.plan_sources(plan_metal(MUTANT_CASE, metal_mutant(name)))
-    for name, (_, _, case) in CUDA_MUTANTS.items():
+    for name, (_, _, case, *_) in CUDA_MUTANTS.items():
         sources += cgen.plan_sources(plan_cuda(case, cuda_mutant(name)))
-    for depth in (0, 2):
-        for case in PREFETCH_CASES:
-            sources += cgen.plan_sources(plan_cuda(case, cuda_prefetch_variant(depth)))
+    for switch in SWITCHES:
+        for case in SWITCH_CASES:
+            sources += cgen.plan_sources(plan_cuda(case, cuda_source(_cuda_text(), switch)))
     gen.prebuild(sources)
 
 
@@ -371,16 +385,16 @@ def test_emulated_cuda_q8_prefill(prebuilt, case):
 @needs_gxx
 def test_mutant_cases_pass_unmutated(prebuilt):
     check_decode(MUTANT_CASE, plan_metal(MUTANT_CASE), gen.run_plan(plan_metal(MUTANT_CASE)))
-    for case in (MUTANT_CASE, MUTANT_SIMT, MUTANT_TC_BF16, MUTANT_TC_F32, MUTANT_PREFILL):
+    for case in (MUTANT_CASE, MUTANT_SIMT, MUTANT_TC_BF16, MUTANT_PREFILL):
         plan = plan_cuda(case)
         check_cuda(case, plan, cgen.run_plan(plan))
 
 
 @needs_gxx
-@pytest.mark.parametrize("depth", [0, 2])
-@pytest.mark.parametrize("case", PREFETCH_CASES, ids=lambda c: c.id)
-def test_emulated_cuda_q8_prefetch_depths(prebuilt, case, depth):
-    plan = plan_cuda(case, cuda_prefetch_variant(depth))
+@pytest.mark.parametrize("switch", SWITCHES)
+@pytest.mark.parametrize("case", SWITCH_CASES, ids=lambda c: c.id)
+def test_emulated_cuda_q8_tensor_core_switches(prebuilt, case, switch):
+    plan = plan_cuda(case, cuda_source(_cuda_text(), switch))
     check_decode(case, plan, cgen.run_plan(plan))
 
 

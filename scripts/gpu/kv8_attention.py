@@ -18,7 +18,8 @@ new8/new16, new16/old16 and new8/old8. ``--step-tokens`` adds variants of the cu
 with ``#define PC_NT N`` (tokens per lane per step; the kernel's default is 4 at this shape) to
 pick the step size on the device; ``--define NAME=VALUE`` any other compile-time switch
 (``PC_TC_PREFETCH=0``: the tensor-core decode without its next-tile prefetch, ``=2``: two
-tiles ahead); ``--split-variant`` the current source launched split-K (``split=True``: 512-token
+tiles ahead; ``PC_TC_LO_ROWS=1``: the weights' low parts in the MMA's spare rows);
+``--split-variant`` the current source launched split-K (``split=True``: 512-token
 partitions and a reduce; at 64 x 8 (sequence, KV head) groups the engine does not split). Each
 variant's time is the GPU time of evaluating all layers'
 already-built graphs (graph construction is outside the timed region), with its effective
