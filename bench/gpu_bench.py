@@ -123,7 +123,8 @@ class StepProfile:
     """Where an engine step's time goes, averaged over a run: the engine's own per-step phase
     times (engine.runner.telemetry.StepTimes: schedule, build = batch metadata + the model's lazy
     graph, forward = waiting for the device, sample, bookkeeping), read after every step by a
-    wrapper on the step runner (removed by close())."""
+    wrapper on the step runner (removed by close()). ``step_ms``: each model step's wall time,
+    in order (its median is a run's typical step, robust to a prefill step or a pause)."""
 
     PARTS = ("schedule", "build", "forward", "sample", "bookkeeping")
 
@@ -131,6 +132,7 @@ class StepProfile:
         self.stepper = stepper = eng.runtime.stepper
         self.totals = dict.fromkeys(("step", *self.PARTS), 0.0)
         self.steps = 0
+        self.step_ms: list[float] = []
         real_step = stepper.step
 
         def step():
@@ -140,6 +142,7 @@ class StepProfile:
             times = stepper._times
             if times.forward > 0:  # a step that ran the model
                 self.steps += 1
+                self.step_ms.append(elapsed * 1e3)
                 self.totals["step"] += elapsed
                 for name in self.PARTS:
                     self.totals[name] += getattr(times, name)
@@ -357,7 +360,9 @@ def kv8_throughput(shape_name: str, shape: dict, n: int, contexts: list[tuple[in
     """The engine on a 16-bit pool against the same engine on an 8-bit pool (issue #26: "engine
     throughput at n = 64 not below the 16-bit engine's"), both with ``max_batch`` n and the
     same KV budget, each workload, interleaved (16, 8, 16, 8, ...); ``contexts``: (prompt
-    tokens, new tokens) pairs (long prompts: decode reads the most K/V)."""
+    tokens, new tokens) pairs (long prompts: decode reads the most K/V). Besides each run's
+    tokens/s, its median step time (``StepProfile.step_ms``): the typical decode step, which a
+    slow prefill step, a pause or the request's start and end do not move."""
     tokenizer = make_tokenizer(vocab)
     model = make_model(shape, mx.bfloat16, vocab)
     loaded = loaded_model(model, tokenizer, f"random-{shape_name}", mx.bfloat16)
@@ -370,6 +375,7 @@ def kv8_throughput(shape_name: str, shape: dict, n: int, contexts: list[tuple[in
         for prompt_len, gen_tokens in contexts:
             for w, workload in enumerate(WORKLOADS):
                 tps: dict[str, list[float]] = {"model": [], "int8": []}
+                step_ms: dict[str, list[float]] = {"model": [], "int8": []}
                 for eng in engines.values():  # warm-up (kernel compiles)
                     engine_generate(eng, prompts_for(n, prompt_len, vocab, seed=1 + w), 4,
                                     workload)
@@ -378,16 +384,27 @@ def kv8_throughput(shape_name: str, shape: dict, n: int, contexts: list[tuple[in
                         # fresh prompts per run and workload (each engine its own cache)
                         run_prompts = prompts_for(n, prompt_len, vocab,
                                                   seed=10_000 * (w + 1) + 100 * r + prompt_len)
-                        elapsed, tokens = engine_generate(eng, run_prompts, gen_tokens, workload)
+                        prof = StepProfile(eng)
+                        try:
+                            elapsed, tokens = engine_generate(eng, run_prompts, gen_tokens,
+                                                              workload)
+                        finally:
+                            prof.close()
                         tps[precision].append(sum(map(len, tokens)) / elapsed)
+                        step_ms[precision].append(statistics.median(prof.step_ms))
                 row = dict(shape=shape_name, n=n, prompt=prompt_len, gen=gen_tokens,
                            workload=workload, tps16=tps["model"], tps8=tps["int8"],
                            ratio=statistics.median(tps["int8"]) / statistics.median(
-                               tps["model"]))
+                               tps["model"]),
+                           step_ms16=step_ms["model"], step_ms8=step_ms["int8"],
+                           step_ratio=statistics.median(step_ms["int8"]) / statistics.median(
+                               step_ms["model"]))
                 rows.append(row)
                 print(f"[kv8 {shape_name}] n={n} prompt={prompt_len} {workload}: 16-bit "
                       f"{fmt_spread(tps['model'])} tok/s, 8-bit {fmt_spread(tps['int8'])} "
-                      f"tok/s, ratio {row['ratio']:.2f}x", flush=True)
+                      f"tok/s, ratio {row['ratio']:.2f}x; median step 16-bit "
+                      f"{fmt_spread(step_ms['model'])} ms, 8-bit {fmt_spread(step_ms['int8'])} "
+                      f"ms, 8 / 16 {row['step_ratio']:.2f}x", flush=True)
     finally:
         for eng in engines.values():
             eng.stop()
@@ -759,18 +776,20 @@ def report(results: dict) -> str:
         lines += ["", "## Engine throughput, 8-bit pool against 16-bit (issue #26)", "",
                   "The same engine (max_batch = n, the same KV budget) on a bf16 pool and on an "
                   "int8 pool with per-token scales; interleaved repeats, aggregate generated "
-                  "tokens/s, median (min-max). Target: the 8-bit engine not below the 16-bit "
+                  "tokens/s, median (min-max); and each run's median step time (ms), the "
+                  "typical decode step. Target: the 8-bit engine not below the 16-bit "
                   "one at n = 64.", "",
                   "| shape | n | prompt + new tokens | workload | 16-bit | 8-bit | 8 / 16 | "
-                  "per pair | verdict |",
-                  "| --- | ---: | --- | --- | ---: | ---: | ---: | --- | --- |"]
+                  "per pair | median step 16 / 8 (ms) | step 8 / 16 | verdict |",
+                  "| --- | ---: | --- | --- | ---: | ---: | ---: | --- | --- | ---: | --- |"]
         for r in results["kv8"]:
             pairs = [e / m for e, m in zip(r["tps8"], r["tps16"])]
             lines.append(f"| {r['shape']} | {r['n']} | {r['prompt']} + {r['gen']} | "
                          f"{r['workload']} | {fmt_spread(r['tps16'])} | "
                          f"{fmt_spread(r['tps8'])} | {r['ratio']:.2f}x | "
                          f"{', '.join(f'{x:.2f}' for x in pairs)} | "
-                         f"{verdict(r['ratio'] >= 1.0)} |")
+                         f"{fmt_spread(r['step_ms16'])} / {fmt_spread(r['step_ms8'])} | "
+                         f"{r['step_ratio']:.2f}x | {verdict(r['ratio'] >= 1.0)} |")
     p = results.get("paste")
     if p:
         lines += ["", f"## Long paste (bf16, 1B shape, the app's engine defaults: 256-token "
