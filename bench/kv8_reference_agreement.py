@@ -22,7 +22,9 @@ greedy paths? The same 20 prompts, 64 greedy tokens, through mlx-lm's ``generate
   - K per channel over each filled block, requantized from its per-token values when the
     block fills (what a pool could do without a full-precision open block), V and the open
     block per token;
-  - K and V both per channel over each filled block, the open block in full precision.
+  - K and V both per channel over each filled block, the open block in full precision;
+  - K per channel, V per token, the open block and the filled block before it in full
+    precision (16-31 tokens: a larger residual).
 
     source scripts/env.sh; .venv/bin/python -m bench.kv8_reference_agreement [--only TEXT]
 """
@@ -65,11 +67,12 @@ class PagedInt8KVCache(KVCache):
         return super().update_and_fetch(through_int8(keys), through_int8(values))
 
 
-def _filled_blocks(x: mx.array, quantized) -> mx.array:
+def _filled_blocks(x: mx.array, quantized, full_blocks: int = 0) -> mx.array:
     """x [B, heads, T, D] with its first BLOCK * (T // BLOCK) tokens through ``quantized``
-    (a function of [B, heads, blocks, BLOCK, D]) and the open block as it is."""
+    (a function of [B, heads, blocks, BLOCK, D]) and the open block as it is; with
+    ``full_blocks``, that many filled blocks before the open one as they are too."""
     b, h, t, d = x.shape
-    n = t // BLOCK * BLOCK
+    n = max(t // BLOCK - full_blocks, 0) * BLOCK
     if n == 0:
         return x
     blocks = quantized(x[:, :, :n].reshape(b, h, n // BLOCK, BLOCK, d)).reshape(b, h, n, d)
@@ -94,10 +97,12 @@ class OpenBlockFullCache(KVCache):
 
     k_scheme = staticmethod(_per_token)
     v_scheme = staticmethod(_per_token)
+    full_blocks = 0  # filled blocks before the open one also kept in full precision
 
     def update_and_fetch(self, keys, values):
         k, v = super().update_and_fetch(keys, values)
-        return _filled_blocks(k, self.k_scheme), _filled_blocks(v, self.v_scheme)
+        return (_filled_blocks(k, self.k_scheme, self.full_blocks),
+                _filled_blocks(v, self.v_scheme, self.full_blocks))
 
 
 class PerChannelKeysCache(OpenBlockFullCache):
@@ -124,6 +129,13 @@ class RequantizedKeysCache(KVCache):
         k, v = super().update_and_fetch(keys, values)
         return (_open_block(k, lambda blk: _per_channel(_per_token(blk)), _per_token),
                 _open_block(v, _per_token, _per_token))
+
+
+class PerChannelKeysTwoBlocksCache(PerChannelKeysCache):
+    """As PerChannelKeysCache, with the last filled block in full precision too (16-31 tokens
+    in full precision, as a larger KIVI residual)."""
+
+    full_blocks = 1
 
 
 class PerChannelBothCache(OpenBlockFullCache):
@@ -168,6 +180,8 @@ if __name__ == "__main__":
         "K per channel a block requantized from per token, V per token, nothing full":
             RequantizedKeysCache,
         "K and V per channel a block, the open block in full precision": PerChannelBothCache,
+        "K per channel a block, V per token, the open block and the one before in full":
+            PerChannelKeysTwoBlocksCache,
     }
     variants = {name: v for name, v in variants.items() if args.only in name}
     reference = [greedy(model, p) for p in prompts]

@@ -10,7 +10,10 @@ values (``q * s`` in float64) and against ``reference_decode`` / ``reference_pre
 same 8-bit pool; planted bugs in the dequantization (a scale of the wrong KV head or of the
 block's first slot, int8 read as unsigned, like a missing zero point, the V scale dropped,
 K's scale used for V) compile and are caught. The write path's rounding bugs are planted in
-tests/test_kv8.py. ``-m cuda``: the same on an NVIDIA GPU (scripts/gpu/check.sh runs it).
+tests/test_kv8.py. The CUDA tensor-core decode's compile-time switches (``PC_TC_PREFETCH``,
+``PC_TC_LO_ROWS``) run the same checks away from their defaults, and the code a switch turns
+on has its own planted bugs. ``-m cuda``: the same on an NVIDIA GPU (scripts/gpu/check.sh
+runs it).
 """
 
 from __future__ import annotations
