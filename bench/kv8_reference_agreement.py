@@ -12,7 +12,7 @@ greedy paths? The same 20 prompts, 64 greedy tokens, through mlx-lm's ``generate
 * PagedChat's 8-bit scheme (engine/kv/int8.py: symmetric, one fp16 scale per token and KV
   head), K/V quantized and dequantized as they are stored: the pool's numbers without the
   engine's batching;
-* two schemes the pool does not use, to see what would reach the target (the open block is
+* schemes the pool does not use, to see what would reach the target (the open block is
   the last, partly filled block of BLOCK tokens, which a pool could keep in full precision
   until it fills, as KIVI keeps its residual):
   - the pool's scheme on filled blocks, the open block in full precision;
@@ -86,7 +86,7 @@ def _per_token(blocks: mx.array) -> mx.array:
 
 def _per_channel(blocks: mx.array) -> mx.array:
     """Symmetric int8 with one scale per (block, head, channel): the max over the block's
-    tokens."""
+    tokens / 127 (kept in fp32 here; a pool would store it as fp16)."""
     scale = mx.maximum(mx.max(mx.abs(blocks), axis=-2, keepdims=True), 1e-8) / 127.0
     return (mx.clip(mx.round(blocks / scale), -127, 127) * scale).astype(blocks.dtype)
 
