@@ -2,7 +2,7 @@
 
     python3 scripts/gpu/kv8_attention.py [--repeats N] [--json PATH]
         [--baseline-source OLD.cu] [--step-tokens 4,8] [--define NAME=VALUE] [--split-variant]
-        [--shapes 8B]
+        [--warps 8] [--shapes 8B]
 
 All 32 (8B) or 16 (1B) layers' decode attention of one step, 64 sequences x 2048 tokens, bf16
 queries: the CUDA kernel over a bf16 pool and over an int8 pool with fp16 scales (the same
@@ -20,7 +20,9 @@ pick the step size on the device; ``--define NAME=VALUE`` any other compile-time
 (``PC_TC_PREFETCH=0``: the tensor-core decode without its next-tile prefetch, ``=2``: two
 tiles ahead; ``PC_TC_LO_ROWS=1``: the weights' low parts in the MMA's spare rows);
 ``--split-variant`` the current source launched split-K (``split=True``: 512-token
-partitions and a reduce; at 64 x 8 (sequence, KV head) groups the engine does not split). Each
+partitions and a reduce; at 64 x 8 (sequence, KV head) groups the engine does not split);
+``--warps N,...`` the current source launched with N warps a thread block (the engine's
+choice is at most 4: ``engine/attention/cuda.py``'s ``MAX_WARPS``). Each
 variant's time is the GPU time of evaluating all layers'
 already-built graphs (graph construction is outside the timed region), with its effective
 bandwidth: K/V bytes read (scales included for 8-bit) / time.
@@ -63,8 +65,8 @@ def load_sources(text: str, suffix: str, defines: str = "") -> dict[str, KernelS
 
 def variants(args) -> dict[str, dict[str, KernelSource]]:
     """Name -> kernel sources: "new" (the checkout's file), "old" (--baseline-source),
-    "ntN" (--step-tokens), "nameVALUE" (--define NAME=VALUE) and "split" (--split-variant:
-    the checkout's file, launched split-K)."""
+    "ntN" (--step-tokens), "nameVALUE" (--define NAME=VALUE), "split" (--split-variant:
+    the checkout's file, launched split-K) and "warpsN" (--warps: launched with N warps)."""
     current = cuda_kernels.CUDA_SHADER_PATH.read_text()
     out = {"new": load_sources(current, "")}
     if args.baseline_source:
@@ -77,7 +79,18 @@ def variants(args) -> dict[str, dict[str, KernelSource]]:
         out[key] = load_sources(current, f"_{key}", f"#define {name} {value}\n")
     if args.split_variant:
         out["split"] = load_sources(current, "_split")
+    for n in args.warps:
+        out[f"warps{n}"] = load_sources(current, f"_warps{n}")
     return out
+
+
+def launch_options(name: str) -> dict:
+    """plan_attention's launch arguments for variant ``name`` (the engine's choice: none)."""
+    if name == "split":
+        return dict(split=True)
+    if name.startswith("warps"):
+        return dict(warps=int(name[len("warps"):]))
+    return {}
 
 
 def timed(outputs_of) -> float:
@@ -119,12 +132,12 @@ def case(shape: dict, batch: int, context: int, repeats: int,
     # Plans built once per (variant, layer): the timed region runs kernels only.
     runs = {}
     for name, src in sources.items():
-        split = True if name == "split" else None  # None: the engine's choice
+        launch = launch_options(name)
         p16 = [cuda_kernels.plan_attention(q, k, v, tables, lens, scale, sources=src,
-                                           split=split)
+                                           **launch)
                for q, k, v in full]
         p8 = [cuda_kernels.plan_attention(q, k, v, tables, lens, scale, sources=src,
-                                          split=split, k_scales=ks, v_scales=vs)
+                                          k_scales=ks, v_scales=vs, **launch)
               for q, k, v, ks, vs in q8]
         runs[f"{name}16"] = lambda plans=p16: [cuda_kernels.KERNELS.run(p)[-1][0] for p in plans]
         runs[f"{name}8"] = lambda plans=p8: [cuda_kernels.KERNELS.run(p)[-1][0] for p in plans]
@@ -191,6 +204,9 @@ def parse_args(argv=None):
     parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                         help="time the current source with '#define NAME VALUE' in front of "
                              "the attention body as one more variant (repeatable)")
+    parser.add_argument("--warps", default="",
+                        type=lambda s: [int(x) for x in s.split(",") if x],
+                        help="comma-separated warps per thread block to time as extra variants")
     parser.add_argument("--split-variant", action="store_true",
                         help="time the current source launched split-K as one more variant")
     parser.add_argument("--shapes", default="1B,8B",
