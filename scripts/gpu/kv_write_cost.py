@@ -74,7 +74,9 @@ def main(argv=None) -> None:
             step(name)
     a, b = pools["int8"], pools["int8-compiled"]
     same = all(bool(mx.array_equal(x[blk, off], y[blk, off]))
-               for xs, ys in ((a.keys, b.keys), (a.k_scales, b.k_scales)) for x, y in zip(xs, ys))
+               for xs, ys in ((a.keys, b.keys), (a.values, b.values),
+                              (a.k_scales, b.k_scales), (a.v_scales, b.v_scales))
+               for x, y in zip(xs, ys, strict=True))
     times = {name: [] for name in pools}
     for _ in range(args.repeats):
         for name in pools:
