@@ -305,10 +305,13 @@ METAL_MUTANTS = {
 }
 
 
-def mutated(path, kernels, old: str, new: str) -> dict:
-    text = path.read_text()
+def _replaced_once(text: str, old: str, new: str) -> str:
     assert text.count(old) == 1, f"mutation site {old!r} not found exactly once"
-    return kernels.KERNELS.parse(text.replace(old, new))
+    return text.replace(old, new)
+
+
+def mutated(path, kernels, old: str, new: str) -> dict:
+    return kernels.KERNELS.parse(_replaced_once(path.read_text(), old, new))
 
 
 # The tensor-core decode's compile-time switches, each away from its default (scripts/gpu/
@@ -338,9 +341,7 @@ def cuda_mutant(name: str) -> dict:
     """A planted bug (old -> new) in the CUDA source, with the entry's defines if it has
     them (a bug in code a compile-time switch turns on)."""
     old, new, _, *defines = CUDA_MUTANTS[name]
-    text = _cuda_text()
-    assert text.count(old) == 1, f"mutation site {old!r} not found exactly once"
-    return cuda_source(text.replace(old, new), *defines)
+    return cuda_source(_replaced_once(_cuda_text(), old, new), *defines)
 
 
 @pytest.fixture(scope="module")
