@@ -124,7 +124,8 @@ class StepProfile:
     times (engine.runner.telemetry.StepTimes: schedule, build = batch metadata + the model's lazy
     graph, forward = waiting for the device, sample, bookkeeping), read after every step by a
     wrapper on the step runner (removed by close()). ``step_ms``: each model step's wall time,
-    in order (its median is a run's typical step, robust to a prefill step or a pause)."""
+    in order (its median is a run's typical step, robust to a prefill step or a pause);
+    ``phase_ms``: each phase's time for the same steps (``typical()`` gives their medians)."""
 
     PARTS = ("schedule", "build", "forward", "sample", "bookkeeping")
 
@@ -133,6 +134,7 @@ class StepProfile:
         self.totals = dict.fromkeys(("step", *self.PARTS), 0.0)
         self.steps = 0
         self.step_ms: list[float] = []
+        self.phase_ms: dict[str, list[float]] = {name: [] for name in self.PARTS}
         real_step = stepper.step
 
         def step():
@@ -146,6 +148,7 @@ class StepProfile:
                 self.totals["step"] += elapsed
                 for name in self.PARTS:
                     self.totals[name] += getattr(times, name)
+                    self.phase_ms[name].append(getattr(times, name) * 1e3)
 
         stepper.step = step
 
@@ -154,6 +157,13 @@ class StepProfile:
         per = {k: v * 1e3 / max(self.steps, 1) for k, v in self.totals.items()}
         per["steps"] = self.steps
         return per
+
+    def typical(self) -> dict:
+        """The median step's wall time and each phase's median, in ms (the typical decode
+        step of a run whose steps are mostly decode steps)."""
+        med = {name: statistics.median(v) for name, v in self.phase_ms.items() if v}
+        med["step"] = statistics.median(self.step_ms) if self.step_ms else 0.0
+        return med
 
 
 def engine_params(workload: str, max_tokens: int):
@@ -376,6 +386,7 @@ def kv8_throughput(shape_name: str, shape: dict, n: int, contexts: list[tuple[in
             for w, workload in enumerate(WORKLOADS):
                 tps: dict[str, list[float]] = {"model": [], "int8": []}
                 step_ms: dict[str, list[float]] = {"model": [], "int8": []}
+                phases: dict[str, list[dict]] = {"model": [], "int8": []}
                 for eng in engines.values():  # warm-up (kernel compiles)
                     engine_generate(eng, prompts_for(n, prompt_len, vocab, seed=1 + w), 4,
                                     workload)
@@ -392,25 +403,34 @@ def kv8_throughput(shape_name: str, shape: dict, n: int, contexts: list[tuple[in
                             prof.close()
                         tps[precision].append(sum(map(len, tokens)) / elapsed)
                         step_ms[precision].append(statistics.median(prof.step_ms))
+                        phases[precision].append(prof.typical())
                 row = dict(shape=shape_name, n=n, prompt=prompt_len, gen=gen_tokens,
                            workload=workload, tps16=tps["model"], tps8=tps["int8"],
                            ratio=statistics.median(tps["int8"]) / statistics.median(
                                tps["model"]),
                            step_ms16=step_ms["model"], step_ms8=step_ms["int8"],
                            step_ratio=statistics.median(step_ms["int8"]) / statistics.median(
-                               step_ms["model"]))
+                               step_ms["model"]),
+                           phases16=median_phases(phases["model"]),
+                           phases8=median_phases(phases["int8"]))
                 rows.append(row)
                 print(f"[kv8 {shape_name}] n={n} prompt={prompt_len} {workload}: 16-bit "
                       f"{fmt_spread(tps['model'])} tok/s, 8-bit {fmt_spread(tps['int8'])} "
                       f"tok/s, ratio {row['ratio']:.2f}x; median step 16-bit "
                       f"{fmt_spread(step_ms['model'])} ms, 8-bit {fmt_spread(step_ms['int8'])} "
-                      f"ms, 8 / 16 {row['step_ratio']:.2f}x", flush=True)
+                      f"ms, 8 / 16 {row['step_ratio']:.2f}x; median phases (ms) 16-bit "
+                      f"{row['phases16']}, 8-bit {row['phases8']}", flush=True)
     finally:
         for eng in engines.values():
             eng.stop()
         del model, loaded
         mx.clear_cache()
     return rows
+
+
+def median_phases(runs: list[dict]) -> dict:
+    """Each phase's median over runs of ``StepProfile.typical()``, rounded (ms)."""
+    return {k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]} if runs else {}
 
 
 def fmt_spread(values: list[float]) -> str:
@@ -790,6 +810,18 @@ def report(results: dict) -> str:
                          f"{', '.join(f'{x:.2f}' for x in pairs)} | "
                          f"{fmt_spread(r['step_ms16'])} / {fmt_spread(r['step_ms8'])} | "
                          f"{r['step_ratio']:.2f}x | {verdict(r['ratio'] >= 1.0)} |")
+        parts = ("step", *StepProfile.PARTS)
+        lines += ["", "Each run's median step and median phase times (engine.runner.telemetry: "
+                  "build = batch metadata + the model's lazy graph, forward = waiting for the "
+                  "device), the median over runs, ms, 16-bit / 8-bit:", "",
+                  "| shape | prompt + new tokens | workload | "
+                  + " | ".join(parts) + " |",
+                  "| --- | --- | --- | " + " | ".join("---:" for _ in parts) + " |"]
+        for r in results["kv8"]:
+            p16, p8 = r.get("phases16", {}), r.get("phases8", {})
+            cells = [f"{p16.get(k, 0):.2f} / {p8.get(k, 0):.2f}" for k in parts]
+            lines.append(f"| {r['shape']} | {r['prompt']} + {r['gen']} | {r['workload']} | "
+                         + " | ".join(cells) + " |")
     p = results.get("paste")
     if p:
         lines += ["", f"## Long paste (bf16, 1B shape, the app's engine defaults: 256-token "
@@ -808,6 +840,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated; also kv8 (8-bit pool against 16-bit)")
     parser.add_argument("--shapes", default="1B,8B", help="throughput shapes")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--kv8-contexts", default="128:128,2048:64",
+                        help="the kv8 part's prompt:new-token pairs, comma-separated")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
     if args.quick:
@@ -827,8 +861,10 @@ def main(argv: list[str] | None = None) -> None:
         mixed_args = (SHAPES["1B"], 2500, 128, 7, 128, VOCAB, kv_mib)
         agree = (SHAPES["1B"], 64, 128, 32, VOCAB, kv_mib)
         paste_args = (SHAPES["1B"], 4, 128, 8000, 64, 64, VOCAB, kv_mib, args.repeats)
-        kv8_args = [(name, SHAPES[name], 64, [(128, 128), (2048, 64)], VOCAB, 24576.0,
-                     args.repeats) for name in shapes]
+        kv8_contexts = [tuple(int(x) for x in pair.split(":"))
+                        for pair in args.kv8_contexts.split(",")]
+        kv8_args = [(name, SHAPES[name], 64, kv8_contexts, VOCAB, 24576.0, args.repeats)
+                    for name in shapes]
     from engine.attention.dispatch import kernel_path
 
     results: dict = dict(device=str(mx.default_device()), path=kernel_path() or "reference",
