@@ -261,11 +261,15 @@ class KernelSet:
     ``mx.fast`` builder, ``metal_kernel`` or ``cuda_kernel``; it is looked up when first
     needed, so planning (and the CPU emulation of a plan) needs neither backend."""
 
-    def __init__(self, factory: str, path: Path, attend: str, reduce: str, what: str) -> None:
+    def __init__(self, factory: str, path: Path, attend: str | None, reduce: str | None,
+                 what: str, signatures: Signatures | None = None) -> None:
+        """``attend`` / ``reduce``: the attention kernels (``attention_signatures``; the
+        attention kernel gets its 8-bit variant); or ``signatures`` for a file of other
+        kernels (engine/attention/kv_quantize.py), with ``attend`` and ``reduce`` None."""
         self.attend = attend
         self.factory = factory
         self.path = path
-        self.signatures = attention_signatures(attend, reduce)
+        self.signatures = signatures or attention_signatures(attend, reduce)
         self.what = what
         self._sources: dict[str, KernelSource] | None = None
         self._lock = threading.Lock()
@@ -274,8 +278,8 @@ class KernelSet:
     def parse(self, text: str) -> dict[str, KernelSource]:
         """The kernels of ``text``, a version of the shader file (tests plant mutants), with
         the attention kernel's 8-bit variant (``with_q8_variant``)."""
-        return with_q8_variant(parse_kernel_source(text, self.signatures, self.what),
-                               self.attend)
+        sources = parse_kernel_source(text, self.signatures, self.what)
+        return sources if self.attend is None else with_q8_variant(sources, self.attend)
 
     def sources(self) -> dict[str, KernelSource]:
         """The kernels of the shader file (read once)."""

@@ -107,15 +107,22 @@ class KVPool:
         offsets[i]) of ``layer``, in place."""
         # Item assignment rebinds the held array to the scatter's result (no second name).
         if self.shape.quantized:
-            kq, ks = int8.quantize(keys)
-            vq, vs = int8.quantize(values)
-            self.keys[layer][blocks, offsets] = kq
-            self.values[layer][blocks, offsets] = vq
-            self.k_scales[layer][blocks, offsets] = ks
-            self.v_scales[layer][blocks, offsets] = vs
+            self.write_quantized(layer, blocks, offsets, *int8.quantize_kv(keys, values))
             return
         self.keys[layer][blocks, offsets] = keys.astype(self.shape.dtype)
         self.values[layer][blocks, offsets] = values.astype(self.shape.dtype)
+
+    def write_quantized(self, layer: int, blocks: mx.array, offsets: mx.array, k_q: mx.array,
+                        k_scales: mx.array, v_q: mx.array, v_scales: mx.array) -> None:
+        """An 8-bit pool's write of rows already quantized as engine/kv/int8.py does
+        (int8 [T, kv_heads, head_dim] and fp16 scales [T, kv_heads]; on CUDA one kernel
+        launch makes them, engine/attention/kv_quantize.py), in place."""
+        if not self.shape.quantized:
+            raise ValueError("quantized rows go into an 8-bit pool only")
+        self.keys[layer][blocks, offsets] = k_q
+        self.values[layer][blocks, offsets] = v_q
+        self.k_scales[layer][blocks, offsets] = k_scales
+        self.v_scales[layer][blocks, offsets] = v_scales
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks)."""

@@ -30,7 +30,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.attention import cpu_kernel
+from engine.attention import cpu_kernel, kv_quantize
 from engine.attention import dispatch as attention
 from engine.kv.pool import KVPool
 from engine.runner.step_batch import StepBatch, blas_rows
@@ -68,6 +68,10 @@ class PagedLayerCache:
         keys_rows, values_rows = keys[:, :, 0], values[:, :, 0]
         if self.host_layout is not None:  # the CPU kernel writes them in the layer's call
             self.pending_kv = (keys_rows, values_rows)
+        elif self.pool.quantized:  # one kernel launch quantizes both on CUDA
+            self.pool.write_quantized(self.layer, b.write_blocks, b.write_offsets,
+                                      *kv_quantize.quantize_kv(keys_rows, values_rows,
+                                                               self.use_kernel))
         else:
             self.pool.write(self.layer, b.write_blocks, b.write_offsets, keys_rows, values_rows)
         return keys, values

@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-check}; mkdir -p "$OUT"
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, 'cuda', mx.cuda.is_available(), mx.default_device())"
 t0=$(date +%s)
-python3 -m pytest -m cuda tests/test_cuda_kernel.py tests/test_kv8_kernels.py -q -p no:cacheprovider -rfE > "$OUT/kernels.log" 2>&1
+python3 -m pytest -m cuda tests/test_cuda_kernel.py tests/test_kv8_kernels.py tests/test_kv_write_kernel.py -q -p no:cacheprovider -rfE > "$OUT/kernels.log" 2>&1
 kernels_rc=$?
 kernels=$(grep -E "^[0-9]+ (passed|failed)|passed|failed" "$OUT/kernels.log" | tail -1)
 echo "kernel tests: $kernels"

@@ -2,13 +2,20 @@
 
     python3 scripts/gpu/kv_write_cost.py [--rows 64] [--repeats 30] [--shape 8B] [--blocks 4096]
 
-One step's writes into every layer (``KVPool.write``: two scatters a layer into a bf16 pool;
-in an 8-bit pool ``int8.quantize``'s ops for K and V and four scatters), ``--rows`` tokens a
-layer at the bench's 8B shape, evaluated once after all layers as the engine's step is.
-Variants, interleaved repeat by repeat: the bf16 pool, the 8-bit pool as the engine writes
-it, and the 8-bit pool with ``int8.quantize`` under ``mx.compile`` (its elementwise ops
-fused). The time is the host's, from the first write's graph to the evaluated pools: what a
-step waits for. Medians with the spread; the compiled quantizer must store the same bytes.
+One step's writes into every layer, ``--rows`` tokens a layer at the bench's 8B shape,
+evaluated once after all layers as the engine's step is. Variants, interleaved repeat by
+repeat:
+
+* ``bf16``: a bf16 pool's two scatters a layer (``KVPool.write``);
+* ``int8-ops``: an 8-bit pool quantized op by op (``int8.quantize`` for K, then for V, each a
+  dozen MLX ops) and four scatters: the engine's write before the kernel;
+* ``int8-compiled``: the same under ``mx.compile`` (``int8.quantize_kv``: what
+  ``KVPool.write`` does now, the engine's write off CUDA's kernel path);
+* ``int8-kernel`` (CUDA only): one ``kv_quantize`` launch for K and V
+  (engine/attention/kv_quantize.py) and the four scatters, the engine's write on CUDA.
+
+The time is the host's, from the first write's graph to the evaluated pools: what a step
+waits for. Medians with the spread; every 8-bit variant must store the same bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.gpu_bench import BLOCK_SIZE, SHAPES  # noqa: E402
+from engine.attention import kv_quantize  # noqa: E402
 from engine.kv import int8  # noqa: E402
 from engine.kv.pool import KVPool, KVShape  # noqa: E402
 
@@ -40,13 +48,27 @@ def main(argv=None) -> None:
     layers, kvh, d = (shape["num_hidden_layers"], shape["num_key_value_heads"],
                       shape["head_dim"])
     blocks = args.blocks
+
+    def ops(pool, layer, keys, values):
+        kq, ks = int8.quantize(keys)
+        vq, vs = int8.quantize(values)
+        pool.write_quantized(layer, blk, off, kq, ks, vq, vs)
+
+    def kernel(pool, layer, keys, values):
+        pool.write_quantized(layer, blk, off, *kv_quantize.quantize_kv_cuda(keys, values))
+
+    def plain(pool, layer, keys, values):
+        pool.write(layer, blk, off, keys, values)
+
+    writers = {"bf16": plain, "int8-ops": ops, "int8-compiled": plain}
+    if mx.cuda.is_available():
+        writers["int8-kernel"] = kernel
     pools = {}
-    for name, quantized in (("bf16", False), ("int8", True), ("int8-compiled", True)):
+    for name in writers:
         kv = KVShape(num_layers=layers, num_kv_heads=kvh, head_dim=d, dtype=mx.bfloat16,
-                     quantized=quantized)
+                     quantized=name != "bf16")
         pools[name] = KVPool(kv, num_blocks=blocks, block_size=BLOCK_SIZE)
         mx.eval(pools[name].arrays())
-    compiled = mx.compile(int8.quantize)
     rng = np.random.default_rng(0)
     slots = rng.choice(blocks * BLOCK_SIZE, args.rows, replace=False)
     blk = mx.array((slots // BLOCK_SIZE).astype(np.int32))
@@ -56,33 +78,29 @@ def main(argv=None) -> None:
     mx.eval(keys, values, blk, off)
 
     def step(name: str) -> float:
-        pool = pools[name]
-        original = int8.quantize
-        if name == "int8-compiled":
-            int8.quantize = compiled
-        try:
-            t0 = time.perf_counter()
-            for layer in range(layers):
-                pool.write(layer, blk, off, keys[layer], values[layer])
-            mx.eval(pool.arrays())
-            return (time.perf_counter() - t0) * 1e3
-        finally:
-            int8.quantize = original
+        pool, write = pools[name], writers[name]
+        t0 = time.perf_counter()
+        for layer in range(layers):
+            write(pool, layer, keys[layer], values[layer])
+        mx.eval(pool.arrays())
+        return (time.perf_counter() - t0) * 1e3
 
     for _ in range(3):
         for name in pools:
             step(name)
-    a, b = pools["int8"], pools["int8-compiled"]
-    same = all(bool(mx.array_equal(x[blk, off], y[blk, off]))
-               for xs, ys in ((a.keys, b.keys), (a.values, b.values),
-                              (a.k_scales, b.k_scales), (a.v_scales, b.v_scales))
-               for x, y in zip(xs, ys, strict=True))
+    base = pools["int8-ops"]
+    same = {name: all(bool(mx.array_equal(x[blk, off], y[blk, off]))
+                      for xs, ys in ((base.keys, pool.keys), (base.values, pool.values),
+                                     (base.k_scales, pool.k_scales),
+                                     (base.v_scales, pool.v_scales))
+                      for x, y in zip(xs, ys, strict=True))
+            for name, pool in pools.items() if name.startswith("int8-") and pool is not base}
     times = {name: [] for name in pools}
     for _ in range(args.repeats):
         for name in pools:
             times[name].append(step(name))
     print(f"{args.shape}: {layers} layers x {args.rows} rows, {mx.default_device()}; "
-          f"compiled quantizer stores the same bytes: {same}")
+          f"the same bytes as int8-ops: {same}")
     for name, ts in times.items():
         ratio = [x / y for x, y in zip(ts, times["bf16"], strict=True)]
         print(f"  {name:>13}: {statistics.median(ts):.3f} ms ({min(ts):.3f}-{max(ts):.3f}), "

@@ -121,6 +121,7 @@ inline __nv_bfloat16 __float2bfloat16(float x) { return __nv_bfloat16(x); }  // 
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }  // IEEE division
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 // Bit casts and PRMT: result byte n = byte ((s >> 4n) & 7) of the 8 bytes {y, x} (x low).
 inline float __uint_as_float(unsigned x) {
