@@ -125,7 +125,11 @@ class StepProfile:
     graph, forward = waiting for the device, sample, bookkeeping), read after every step by a
     wrapper on the step runner (removed by close()). ``step_ms``: each model step's wall time,
     in order (its median is a run's typical step, robust to a prefill step or a pause);
-    ``phase_ms``: each phase's time for the same steps (``typical()`` gives their medians)."""
+    ``phase_ms``: each phase's time for the same steps (``typical()`` gives their medians);
+    ``decode_period_ms``: the engine's own period of each step that carried no prompt token
+    (``StepRunner._observe``: the interval the streaming chats see between two tokens, each
+    step paired with its own cost even when overlapped), so a run whose prefill steps are
+    as many as its decode steps (64 prompts of 2,048 tokens) still has a decode median."""
 
     PARTS = ("schedule", "build", "forward", "sample", "bookkeeping")
 
@@ -135,7 +139,17 @@ class StepProfile:
         self.steps = 0
         self.step_ms: list[float] = []
         self.phase_ms: dict[str, list[float]] = {name: [] for name in self.PARTS}
+        self.decode_period_ms: list[float] = []
         real_step = stepper.step
+        self.prefill = prefill = stepper.prefill
+        real_observe = prefill.observe
+
+        def observe(step_s, decode_rows, prompt_tokens, prompt_context=0.0):
+            real_observe(step_s, decode_rows, prompt_tokens, prompt_context)
+            if prompt_tokens == 0 and decode_rows:
+                self.decode_period_ms.append(step_s * 1e3)
+
+        prefill.observe = observe
 
         def step():
             t0 = time.perf_counter()
@@ -153,7 +167,7 @@ class StepProfile:
         stepper.step = step
 
     def close(self) -> dict:
-        del self.stepper.step  # back to the class's method
+        del self.stepper.step, self.prefill.observe  # back to the classes' methods
         per = {k: v * 1e3 / max(self.steps, 1) for k, v in self.totals.items()}
         per["steps"] = self.steps
         return per
@@ -163,6 +177,8 @@ class StepProfile:
         step of a run whose steps are mostly decode steps)."""
         med = {name: statistics.median(v) for name, v in self.phase_ms.items() if v}
         med["step"] = statistics.median(self.step_ms) if self.step_ms else 0.0
+        med["decode period"] = (statistics.median(self.decode_period_ms)
+                                if self.decode_period_ms else 0.0)
         return med
 
 
@@ -810,10 +826,13 @@ def report(results: dict) -> str:
                          f"{', '.join(f'{x:.2f}' for x in pairs)} | "
                          f"{fmt_spread(r['step_ms16'])} / {fmt_spread(r['step_ms8'])} | "
                          f"{r['step_ratio']:.2f}x | {verdict(r['ratio'] >= 1.0)} |")
-        parts = ("step", *StepProfile.PARTS)
-        lines += ["", "Each run's median step and median phase times (engine.runner.telemetry: "
-                  "build = batch metadata + the model's lazy graph, forward = waiting for the "
-                  "device), the median over runs, ms, 16-bit / 8-bit:", "",
+        parts = ("decode period", "step", *StepProfile.PARTS)
+        lines += ["", "Each run's median decode period (the engine's own interval between two "
+                  "tokens, over the steps that carried no prompt token: valid when prefill "
+                  "steps are many), median step and median phase times over all model steps "
+                  "(engine.runner.telemetry: build = batch metadata + the model's lazy graph, "
+                  "forward = waiting for the device), the median over runs, ms, "
+                  "16-bit / 8-bit:", "",
                   "| shape | prompt + new tokens | workload | "
                   + " | ".join(parts) + " |",
                   "| --- | --- | --- | " + " | ".join("---:" for _ in parts) + " |"]
