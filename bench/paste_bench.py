@@ -43,7 +43,14 @@ def main(argv: list[str] | None = None) -> str:
                         help="write the report there too (it is printed either way); not "
                              f"{RESULT.relative_to(RESULT.parents[2])}, which holds every "
                              "earlier run: a new section is added to it by hand")
+    parser.add_argument("--peak-over-target", type=float, default=None, metavar="X",
+                        help="run with the prefill budget's PEAK_OVER_TARGET set to X (an "
+                             "A/B of the constant; bench/results/paste.md, session 22)")
     args = parser.parse_args(argv)
+    if args.peak_over_target is not None:
+        from engine.sched import prefill_budget
+
+        prefill_budget.PEAK_OVER_TARGET = args.peak_over_target  # read at each budget()
     paste_tokens, streams = (400, 2) if args.quick else (3600, 4)
     eng = Engine(EngineConfig(model="default", kv_memory_mib=256.0, max_batch=8))
     eng.start()
