@@ -46,13 +46,16 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--peak-over-target", type=float, default=None, metavar="X",
                         help="run with the prefill budget's PEAK_OVER_TARGET set to X (an "
                              "A/B of the constant; bench/results/paste.md, session 22)")
+    parser.add_argument("--prefill-target", type=float, default=None, metavar="X",
+                        help="EngineConfig.prefill_target (default: the engine's, 2.0)")
     args = parser.parse_args(argv)
     if args.peak_over_target is not None:
         from engine.sched import prefill_budget
 
         prefill_budget.PEAK_OVER_TARGET = args.peak_over_target  # read at each budget()
     paste_tokens, streams = (400, 2) if args.quick else (3600, 4)
-    eng = Engine(EngineConfig(model="default", kv_memory_mib=256.0, max_batch=8))
+    target = {} if args.prefill_target is None else {"prefill_target": args.prefill_target}
+    eng = Engine(EngineConfig(model="default", kv_memory_mib=256.0, max_batch=8, **target))
     eng.start()
     if not eng.wait_ready(900):
         raise SystemExit(f"the default model did not load: {eng.load_error}")
