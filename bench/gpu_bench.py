@@ -651,13 +651,18 @@ def paste_scenario(eng, prompts, repeats: int, short_tokens: int,
 
 
 def paste(shape: dict, streams: int, stream_prompt: int, paste_len: int, short_len: int,
-          short_tokens: int, vocab: int, kv_mib: float, repeats: int) -> dict:
+          short_tokens: int, vocab: int, kv_mib: float, repeats: int,
+          prefill_target: float | None = None) -> dict:
     """The long-paste scenario on a random-weight model, with the app's engine defaults
-    (256-token chunks, adaptive prefill budget)."""
+    (256-token chunks, adaptive prefill budget); ``prefill_target``: another step target
+    than the engine's (``--prefill-target``, the trade bench/results/paste.md measured on
+    the CPU in session 22)."""
     tokenizer = make_tokenizer(vocab)
     model = make_model(shape, mx.bfloat16, vocab)
     loaded = loaded_model(model, tokenizer, "random-paste", mx.bfloat16)
-    eng = start_engine(loaded, max_batch=streams + 2, kv_mib=kv_mib, prefill_chunk=256)
+    target = {} if prefill_target is None else {"prefill_target": prefill_target}
+    eng = start_engine(loaded, max_batch=streams + 2, kv_mib=kv_mib, prefill_chunk=256,
+                       **target)
     sizes = {"streams": (streams, stream_prompt), "paste": (1, paste_len),
              "short": (1, short_len), "alone": (1, paste_len)}
 
@@ -670,7 +675,9 @@ def paste(shape: dict, streams: int, stream_prompt: int, paste_len: int, short_l
         engine_generate(eng, prompts_for(streams, stream_prompt, vocab, seed=60), 8,
                         "app-sampling")  # warm-up
         engine_generate(eng, prompts_for(1, paste_len, vocab, seed=59), 2, "app-sampling")
-        return paste_scenario(eng, prompts, repeats, short_tokens)
+        result = paste_scenario(eng, prompts, repeats, short_tokens)
+        result["prefill_target"] = eng.config.prefill_target
+        return result
     finally:
         eng.stop()
         del model, loaded
@@ -843,8 +850,13 @@ def report(results: dict) -> str:
                          + " | ".join(cells) + " |")
     p = results.get("paste")
     if p:
+        from engine import EngineConfig
+
+        target = p.get("prefill_target")
+        budget = ("adaptive prefill budget" if target in (None, EngineConfig().prefill_target)
+                  else f"adaptive prefill budget at a step target of {target} (not the default)")
         lines += ["", f"## Long paste (bf16, 1B shape, the app's engine defaults: 256-token "
-                  f"chunks, adaptive prefill budget; {len(p['runs']['with'])} repeats with and "
+                  f"chunks, {budget}; {len(p['runs']['with'])} repeats with and "
                   f"without the paste, interleaved)", ""]
         lines += paste_report(p, GPU_PASTE_TARGETS)
     return "\n".join(lines) + "\n"
@@ -859,6 +871,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated; also kv8 (8-bit pool against 16-bit)")
     parser.add_argument("--shapes", default="1B,8B", help="throughput shapes")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--prefill-target", type=float, default=None, metavar="X",
+                        help="the paste part's EngineConfig.prefill_target (default: the "
+                             "engine's)")
     parser.add_argument("--kv8-contexts", default="128:128,2048:64",
                         help="the kv8 part's prompt:new-token pairs, comma-separated")
     args = parser.parse_args(argv)
@@ -926,7 +941,7 @@ def main(argv: list[str] | None = None) -> None:
         results["kv8"] = [row for a in kv8_args for row in kv8_throughput(*a)]
         save()
     if "paste" in parts:
-        results["paste"] = paste(*paste_args)
+        results["paste"] = paste(*paste_args, prefill_target=args.prefill_target)
         print("paste", json.dumps(results["paste"]), flush=True)
         save()
     results["elapsed_s"] = time.perf_counter() - t0
