@@ -876,7 +876,13 @@ def main(argv: list[str] | None = None) -> None:
                              "engine's)")
     parser.add_argument("--kv8-contexts", default="128:128,2048:64",
                         help="the kv8 part's prompt:new-token pairs, comma-separated")
+    parser.add_argument("--kv-write", choices=("store", "scatter"), default="store",
+                        help="how the engine writes K/V on CUDA's kernel path: one in-place "
+                             "launch a layer (the engine's) or MLX's scatters (before it)")
     args = parser.parse_args(argv)
+    from engine.runner import model_adapter
+
+    model_adapter.STORE_IN_PLACE = args.kv_write == "store"
     parts = set(args.parts.split(","))
     if args.quick:
         small = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
@@ -907,7 +913,9 @@ def main(argv: list[str] | None = None) -> None:
                          agree_tokens=agree[3],
                          note=f"prompts {prompt_len} tokens, {gen} new tokens, "
                               f"block size {BLOCK_SIZE}, engine prefill chunk {PREFILL_CHUNK}, "
-                              f"mlx {mx.__version__}")
+                              f"mlx {mx.__version__}"
+                              + ("" if args.kv_write == "store" else
+                                 "; K/V written by MLX's scatters (--kv-write scatter)"))
     t0 = time.perf_counter()
 
     def save():

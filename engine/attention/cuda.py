@@ -106,7 +106,7 @@ def plan_attention(
     v_pool: mx.array,
     block_tables: mx.array,
     context_lens: mx.array,
-    scale: float,
+    scale: float | mx.array,
     *,
     split: bool | None = None,
     warps: int | None = None,
@@ -120,7 +120,9 @@ def plan_attention(
     q [B, H, L, D]: L query tokens per sequence, the last at position ``context_lens - 1``
     (decode: L = 1; prefill chunk: B = 1), causal among themselves; pools
     [num_blocks, block_size, num_kv_heads, head_dim]; block_tables int32 [B, max_blocks];
-    context_lens int32 [B], each >= L. The whole pool arrays are passed.
+    context_lens int32 [B], each >= L. The whole pool arrays are passed. ``scale``: a float,
+    or the float32 [1] array the kernel reads it from (the layer's K/V write passes one on,
+    engine/attention/kv_write.py).
     """
     src = sources or KERNELS.sources()
     shape, block_tables, context_lens = checked_call(q, k_pool, v_pool, block_tables,
@@ -139,13 +141,13 @@ def plan_attention(
     parts = geo.partitions
     out_dtype = q.dtype if parts == 1 else mx.float32
     tiles = math.ceil(query_len / geo.query_tokens)
+    scale = scale if isinstance(scale, mx.array) else _scale_array(float(scale))
     if k_scales is None:
         kernel = src["paged_attention"]
-        inputs = (q, k_pool, v_pool, block_tables, context_lens, _scale_array(float(scale)))
+        inputs = (q, k_pool, v_pool, block_tables, context_lens, scale)
     else:
         kernel = src["paged_attention" + Q8]
-        inputs = (q, k_pool, v_pool, k_scales, v_scales, block_tables, context_lens,
-                  _scale_array(float(scale)))
+        inputs = (q, k_pool, v_pool, k_scales, v_scales, block_tables, context_lens, scale)
     attend = Launch(
         kernel=kernel,
         inputs=inputs,
@@ -187,14 +189,19 @@ def _attend(
     scale: float,
     k_scales: mx.array | None = None,
     v_scales: mx.array | None = None,
+    scale_array: mx.array | None = None,
 ) -> mx.array:
     """Run the plan for these shapes. The plan (validation, geometry, kernel objects) is built
     once per shape family and kept in ``PLANS``; later calls only pass arrays: an engine step
-    calls this once per layer, so its Python cost is paid tens of times per token."""
-    args = (q, k_pool, v_pool, as_int32(block_tables), as_int32(context_lens),
-            _scale_array(float(scale)), k_scales, v_scales)
+    calls this once per layer, so its Python cost is paid tens of times per token.
+    ``scale_array``: ``scale`` as the layer's K/V write passed it on (read in its place, which
+    orders this launch after the write: engine/attention/kv_write.py)."""
+    if scale_array is None:
+        scale_array = _scale_array(float(scale))
+    args = (q, k_pool, v_pool, as_int32(block_tables), as_int32(context_lens), scale_array,
+            k_scales, v_scales)
     return PLANS.run(plan_key(*args[:5]), args, lambda: plan_attention(
-        *args[:5], scale, k_scales=k_scales, v_scales=v_scales))
+        *args[:6], k_scales=k_scales, v_scales=v_scales))
 
 
 def paged_decode_cuda(
@@ -206,10 +213,12 @@ def paged_decode_cuda(
     scale: float,
     k_scales: mx.array | None = None,
     v_scales: mx.array | None = None,
+    scale_array: mx.array | None = None,
 ) -> mx.array:
     """``engine.attention.dispatch.reference_decode`` on the CUDA kernel: [B, H, 1, D]
-    (an 8-bit pool's scales in ``k_scales`` / ``v_scales``)."""
-    return _attend(q, k_pool, v_pool, block_tables, context_lens, scale, k_scales, v_scales)
+    (an 8-bit pool's scales in ``k_scales`` / ``v_scales``; ``scale_array``: ``_attend``)."""
+    return _attend(q, k_pool, v_pool, block_tables, context_lens, scale, k_scales, v_scales,
+                   scale_array)
 
 
 def paged_prefill_cuda(
@@ -223,6 +232,7 @@ def paged_prefill_cuda(
     context_lens: mx.array | None = None,
     k_scales: mx.array | None = None,
     v_scales: mx.array | None = None,
+    scale_array: mx.array | None = None,
 ) -> mx.array:
     """``engine.attention.dispatch.reference_prefill`` on the CUDA kernel: q [1, H, L, D] -> same.
 
@@ -232,4 +242,5 @@ def paged_prefill_cuda(
         block_tables = block_table.reshape(1, -1)
     if context_lens is None:
         context_lens = mx.array([context_len], dtype=mx.int32)
-    return _attend(q, k_pool, v_pool, block_tables, context_lens, scale, k_scales, v_scales)
+    return _attend(q, k_pool, v_pool, block_tables, context_lens, scale, k_scales, v_scales,
+                   scale_array)

@@ -161,15 +161,18 @@ def paged_decode(
     use_kernel: bool,
     k_scales: mx.array | None = None,
     v_scales: mx.array | None = None,
+    scale_array: mx.array | None = None,
 ) -> mx.array:
     """Decode attention: the backend's kernel when ``use_kernel``, else the reference path
-    (``k_scales`` / ``v_scales``: an 8-bit pool's, else None)."""
+    (``k_scales`` / ``v_scales``: an 8-bit pool's, else None; ``scale_array``: on CUDA, the
+    scale as the layer's K/V write passed it on, engine/attention/kv_write.py)."""
     sc = {"k_scales": k_scales, "v_scales": v_scales}
     if use_kernel:
         if mx.cuda.is_available():
             from engine.attention.cuda import paged_decode_cuda
 
-            return paged_decode_cuda(q, k_pool, v_pool, block_tables, context_lens, scale, **sc)
+            return paged_decode_cuda(q, k_pool, v_pool, block_tables, context_lens, scale,
+                                     scale_array=scale_array, **sc)
         from engine.attention.metal import paged_decode_kernel
 
         return paged_decode_kernel(q, k_pool, v_pool, block_tables, context_lens, scale, **sc)
@@ -188,17 +191,19 @@ def paged_prefill(
     context_lens: mx.array | None = None,
     k_scales: mx.array | None = None,
     v_scales: mx.array | None = None,
+    scale_array: mx.array | None = None,
 ) -> mx.array:
     """A prefill chunk (``reference_prefill``'s arguments): the CUDA kernel, reading earlier
     blocks through the block table, when ``use_kernel`` on the CUDA backend; else the
     reference path (Metal has no prefill kernel yet). ``block_tables`` ([1, nb]) and
     ``context_lens`` ([1]) are the kernel's forms of the table and the length, when the
     caller built them once for every layer (engine/runner/step_batch.py); ``k_scales`` /
-    ``v_scales`` an 8-bit pool's."""
+    ``v_scales`` an 8-bit pool's; ``scale_array`` as for ``paged_decode``."""
     sc = {"k_scales": k_scales, "v_scales": v_scales}
     if use_kernel and mx.cuda.is_available():
         from engine.attention.cuda import paged_prefill_cuda
 
         return paged_prefill_cuda(q, k_pool, v_pool, block_table, context_len, scale,
-                                  block_tables=block_tables, context_lens=context_lens, **sc)
+                                  block_tables=block_tables, context_lens=context_lens,
+                                  scale_array=scale_array, **sc)
     return reference_prefill(q, k_pool, v_pool, block_table, context_len, scale, **sc)

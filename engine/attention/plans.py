@@ -77,6 +77,10 @@ class Launch:
     threadgroup: tuple[int, int, int]
     output_shapes: tuple[tuple[int, ...], ...]
     output_dtypes: tuple
+    #: Inputs the kernel writes through its pointer (engine/attention/kv_quantize.py's
+    #: in-place stores), by index: nothing on a GPU, where MLX passes every input's own
+    #: buffer; the CPU emulator maps them writable and hands them back.
+    in_place: tuple[int, ...] = ()
 
 
 Signatures = Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]

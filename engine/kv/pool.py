@@ -17,6 +17,10 @@ num_kv_heads] per layer), quantized as they are written (engine/kv/int8.py). A b
 names the same slots in the scale arrays as in K and V, so everything that moves block ids
 (prefix sharing, copy-on-write, preemption) works on 8-bit blocks unchanged; ``copy_blocks``
 copies the scales with the bytes.
+
+On CUDA's kernel path a step writes differently: one kernel launch a layer stores the rows
+into these arrays' buffers without MLX knowing (engine/attention/kv_write.py says why and what
+keeps it sound), so a step then rebinds nothing here.
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ class KVPool:
                         k_scales: mx.array, v_q: mx.array, v_scales: mx.array) -> None:
         """An 8-bit pool's write of rows already quantized as engine/kv/int8.py does
         (int8 [T, kv_heads, head_dim] and fp16 scales [T, kv_heads]; on CUDA one kernel
-        launch makes them, engine/attention/kv_quantize.py), in place."""
+        launch makes them, engine/attention/kv_write.py), in place."""
         if not self.shape.quantized:
             raise ValueError("quantized rows go into an 8-bit pool only")
         self.keys[layer][blocks, offsets] = k_q

@@ -9,7 +9,8 @@ Hooks into mlx-lm, all by its own extension points:
 
 * ``cache.offset`` is an ``mx.array`` of per-row positions (``mx.fast.rope`` takes one offset
   per batch row);
-* ``cache.update_and_fetch`` scatters the rows' K/V into the pool;
+* ``cache.update_and_fetch`` scatters the rows' K/V into the pool (on the CPU kernel's path
+  and CUDA's kernel path it hands them to ``attend``, which writes them with the layer's call);
 * ``cache.make_mask`` returns None: masking is the paged attention's job;
 * ``scaled_dot_product_attention``, imported by name into each model module, is rebound to a
   function that routes our cache views to ``paged_attention`` and delegates everything else;
@@ -30,10 +31,14 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.attention import cpu_kernel, kv_quantize
+from engine.attention import cpu_kernel, kv_write
 from engine.attention import dispatch as attention
 from engine.kv.pool import KVPool
 from engine.runner.step_batch import StepBatch, blas_rows
+
+#: CUDA's kernel path writes K/V with one in-place launch a layer (engine/attention/kv_write.py)
+#: instead of MLX's scatters. A switch for measuring the two (bench/gpu_bench.py --kv-write).
+STORE_IN_PLACE = True
 
 
 class PagedLayerCache:
@@ -51,9 +56,16 @@ class PagedLayerCache:
         #: The step's items on the host when the CPU kernel attends (engine/attention/
         #: cpu_kernel.py), set with ``batch``; None: the MLX paths.
         self.host_layout: cpu_kernel.HostLayout | None = None
-        #: Under the CPU kernel: the layer's K/V rows, from ``update_and_fetch`` until
-        #: ``attend`` writes them into the pool with the same call that reads it.
+        #: Under the CPU kernel, and on CUDA's kernel path: the layer's K/V rows, from
+        #: ``update_and_fetch`` until ``attend`` writes them into the pool.
         self.pending_kv: tuple[mx.array, mx.array] | None = None
+        #: Whether this layer runs on MLX's CUDA backend with the kernels (decided at the
+        #: first write, on the engine's thread): None until then.
+        self._on_cuda: bool | None = None
+        #: The step's in-place write of this layer on CUDA (the scale it passed on), for
+        #: ``PagedModel.written``; None where MLX's scatters wrote.
+        self.written: mx.array | None = None
+        self._scale: tuple[float, mx.array] | None = None
 
     @property
     def offset(self) -> mx.array:
@@ -63,18 +75,41 @@ class PagedLayerCache:
         return None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        b = self.batch
         # [T, kv_heads, 1, head_dim] -> [T, kv_heads, head_dim]
         keys_rows, values_rows = keys[:, :, 0], values[:, :, 0]
-        if self.host_layout is not None:  # the CPU kernel writes them in the layer's call
-            self.pending_kv = (keys_rows, values_rows)
-        elif self.pool.quantized:  # one kernel launch quantizes both on CUDA
+        if self._on_cuda is None:
+            self._on_cuda = self.use_kernel and kv_write.cuda_kernels_run()
+        if self.host_layout is not None or (self._on_cuda and STORE_IN_PLACE):
+            self.pending_kv = (keys_rows, values_rows)  # ``attend`` writes them
+        else:
+            self._scatter(keys_rows, values_rows)
+        return keys, values
+
+    def _scatter(self, keys_rows: mx.array, values_rows: mx.array) -> None:
+        """The rows into the pool by MLX's scatters (an 8-bit pool's quantized by one kernel
+        launch on CUDA)."""
+        b = self.batch
+        if self.pool.quantized:
             self.pool.write_quantized(self.layer, b.write_blocks, b.write_offsets,
-                                      *kv_quantize.quantize_kv(keys_rows, values_rows,
-                                                               self.use_kernel))
+                                      *kv_write.quantize_kv(keys_rows, values_rows,
+                                                            bool(self._on_cuda)))
         else:
             self.pool.write(self.layer, b.write_blocks, b.write_offsets, keys_rows, values_rows)
-        return keys, values
+
+    def _store(self, keys_rows: mx.array, values_rows: mx.array, scale: float) -> mx.array:
+        """The rows into the pool by one in-place CUDA launch; returns the scale it passes on,
+        which the layer's attention kernels read (engine/attention/kv_write.py)."""
+        if self._scale is None or self._scale[0] != scale:
+            self._scale = (scale, mx.array([scale], dtype=mx.float32))
+        pool, b = self.pool, self.batch
+        if not pool.quantized and keys_rows.dtype != pool.shape.dtype:
+            keys_rows = keys_rows.astype(pool.shape.dtype)
+            values_rows = values_rows.astype(pool.shape.dtype)
+        k_scales, v_scales = pool.scales(self.layer)
+        self.written = kv_write.store_kv(
+            keys_rows, values_rows, b.write_blocks, b.write_offsets, pool.keys[self.layer],
+            pool.values[self.layer], self._scale[1], k_scales, v_scales)
+        return self.written
 
     def _kernel_fits(self, num_heads: int) -> bool:
         """The backend's kernel when enabled and it handles this attention shape, else the
@@ -94,6 +129,14 @@ class PagedLayerCache:
     def attend(self, queries: mx.array, scale: float) -> mx.array:
         """queries: [T, heads, 1, head_dim] -> [T, heads, 1, head_dim]."""
         b = self.batch
+        scale_array = None
+        if self.host_layout is None and self.pending_kv is not None:  # CUDA's kernel path
+            new_kv, self.pending_kv = self.pending_kv, None
+            if self._kernel_fits(queries.shape[1]):
+                scale_array = self._store(*new_kv, scale)
+            else:  # the reference path's gathers are not ordered after an in-place write
+                self._scatter(*new_kv)
+        # read after the write: a scatter rebinds the pool's arrays
         k_pool = self.pool.keys[self.layer]
         v_pool = self.pool.values[self.layer]
         k_scales, v_scales = self.pool.scales(self.layer)  # None, None unless 8-bit
@@ -104,13 +147,14 @@ class PagedLayerCache:
                 raise RuntimeError("the paged cache attended before its rows' K/V were given")
             return cpu_kernel.attend(queries, k_pool, v_pool, k_scales, v_scales,
                                      self.host_layout, scale, new_kv=new_kv)
+        kernel_sc = {**sc, "scale_array": scale_array}
         parts = []
         if b.num_decode:
             q = queries[: b.num_decode]
             if self._kernel_fits(queries.shape[1]):
                 parts.append(attention.paged_decode(
                     q, k_pool, v_pool, b.decode_tables, b.decode_lens, scale, use_kernel=True,
-                    **sc))
+                    **kernel_sc))
             elif len(b.decode_groups) == 1:
                 parts.append(attention.reference_decode(
                     q, k_pool, v_pool, b.decode_tables, b.decode_lens, scale, **sc))
@@ -126,7 +170,7 @@ class PagedLayerCache:
             out = attention.paged_prefill(
                 q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale,
                 use_kernel=self._kernel_fits(queries.shape[1]),
-                block_tables=chunk.block_tables, context_lens=chunk.context_lens, **sc,
+                block_tables=chunk.block_tables, context_lens=chunk.context_lens, **kernel_sc,
             )
             parts.append(mx.swapaxes(out, 0, 2))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
@@ -214,6 +258,7 @@ class PagedModel:
         for cache in self.caches:
             cache.batch = batch
             cache.host_layout = layout
+            cache.written = None
         rows = batch.logit_rows
         if self._row_norm is not None:
             last = batch.tokens.shape[0] - 1
@@ -238,6 +283,7 @@ class PagedModel:
         return bool(self.use_kernel and self.caches and self.caches[0]._kernel_ok)
 
     def written(self) -> list[mx.array]:
-        """The pool arrays a step wrote (lazy until evaluated): evaluating them runs a step
-        that wants no logits."""
-        return self.pool.arrays()
+        """What a step wrote (lazy until evaluated): evaluating it runs a step that wants no
+        logits. The pool arrays, which MLX's scatters rebind; on CUDA's kernel path also each
+        layer's in-place write (its passed-on scale), which leaves them as they were."""
+        return [*(c.written for c in self.caches if c.written is not None), *self.pool.arrays()]

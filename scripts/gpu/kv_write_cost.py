@@ -12,7 +12,10 @@ repeat:
 * ``int8-compiled``: the same under ``mx.compile`` (``int8.quantize_kv``: what
   ``KVPool.write`` does now, the engine's write off CUDA's kernel path);
 * ``int8-kernel`` (CUDA only): one ``kv_quantize`` launch for K and V
-  (engine/attention/kv_quantize.py) and the four scatters, the engine's write on CUDA.
+  (engine/attention/kv_write.py) and the four scatters: the engine's write on CUDA until the
+  in-place stores, and still where the attention kernels do not serve a layer;
+* ``bf16-store``, ``int8-store`` (CUDA only): one in-place ``kv_store`` / ``kv_store_q8``
+  launch a layer (``kv_write.store_kv``), the engine's write on CUDA's kernel path now.
 
 The time is the host's, from the first write's graph to the evaluated pools: what a step
 waits for. Medians with the spread; every 8-bit variant must store the same bytes.
@@ -32,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.gpu_bench import BLOCK_SIZE, SHAPES  # noqa: E402
-from engine.attention import kv_quantize  # noqa: E402
+from engine.attention import kv_write  # noqa: E402
 from engine.kv import int8  # noqa: E402
 from engine.kv.pool import KVPool, KVShape  # noqa: E402
 
@@ -55,18 +58,24 @@ def main(argv=None) -> None:
         pool.write_quantized(layer, blk, off, kq, ks, vq, vs)
 
     def kernel(pool, layer, keys, values):
-        pool.write_quantized(layer, blk, off, *kv_quantize.quantize_kv_cuda(keys, values))
+        pool.write_quantized(layer, blk, off, *kv_write.quantize_kv_cuda(keys, values))
+
+    scale = mx.array([0.125], dtype=mx.float32)
+
+    def store(pool, layer, keys, values):
+        return kv_write.store_kv(keys, values, blk, off, pool.keys[layer], pool.values[layer],
+                                 scale, *pool.scales(layer))
 
     def plain(pool, layer, keys, values):
         pool.write(layer, blk, off, keys, values)
 
     writers = {"bf16": plain, "int8-ops": ops, "int8-compiled": plain}
     if mx.cuda.is_available():
-        writers["int8-kernel"] = kernel
+        writers.update({"int8-kernel": kernel, "bf16-store": store, "int8-store": store})
     pools = {}
     for name in writers:
         kv = KVShape(num_layers=layers, num_kv_heads=kvh, head_dim=d, dtype=mx.bfloat16,
-                     quantized=name != "bf16")
+                     quantized=name.startswith("int8-"))
         pools[name] = KVPool(kv, num_blocks=blocks, block_size=BLOCK_SIZE)
         mx.eval(pools[name].arrays())
     rng = np.random.default_rng(0)
@@ -80,9 +89,8 @@ def main(argv=None) -> None:
     def step(name: str) -> float:
         pool, write = pools[name], writers[name]
         t0 = time.perf_counter()
-        for layer in range(layers):
-            write(pool, layer, keys[layer], values[layer])
-        mx.eval(pool.arrays())
+        stored = [write(pool, layer, keys[layer], values[layer]) for layer in range(layers)]
+        mx.eval([s for s in stored if s is not None], pool.arrays())
         return (time.perf_counter() - t0) * 1e3
 
     for _ in range(3):
@@ -95,12 +103,18 @@ def main(argv=None) -> None:
                                      (base.v_scales, pool.v_scales))
                       for x, y in zip(xs, ys, strict=True))
             for name, pool in pools.items() if name.startswith("int8-") and pool is not base}
+    if "bf16-store" in pools:
+        same["bf16-store"] = all(
+            bool(mx.array_equal(x[blk, off], y[blk, off]))
+            for xs, ys in ((pools["bf16"].keys, pools["bf16-store"].keys),
+                           (pools["bf16"].values, pools["bf16-store"].values))
+            for x, y in zip(xs, ys, strict=True))
     times = {name: [] for name in pools}
     for _ in range(args.repeats):
         for name in pools:
             times[name].append(step(name))
     print(f"{args.shape}: {layers} layers x {args.rows} rows, {mx.default_device()}; "
-          f"the same bytes as int8-ops: {same}")
+          f"the same bytes as int8-ops (bf16-store: as bf16): {same}")
     for name, ts in times.items():
         ratio = [x / y for x, y in zip(ts, times["bf16"], strict=True)]
         print(f"  {name:>13}: {statistics.median(ts):.3f} ms ({min(ts):.3f}-{max(ts):.3f}), "

@@ -25,7 +25,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -384,6 +384,9 @@ def _describe_crash(returncode: int, stderr: str) -> str:
 class LaunchResult:
     outputs: list[mx.array]
     exe: Path
+    #: The inputs the launch writes in place (``Launch.in_place``), as the kernel left them,
+    #: by input index.
+    written: dict[int, mx.array] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -427,6 +430,7 @@ def run_launch(
         if fe.tg_limit is not None:
             lines.append(f"tg_limit {fe.tg_limit}")
         out_paths = []
+        in_place_paths = []
         for k, buf in enumerate(buffers):
             path = Path(tmp) / f"buf{k}.bin"
             if buf.kind == "output":
@@ -448,7 +452,11 @@ def run_launch(
             else:  # ndim
                 data = np.asarray(arr.ndim, dtype=np.int32).tobytes()
             path.write_bytes(data)
-            lines.append(f"in {len(data)} {path}")
+            if buf.kind == "input" and buf.arg in launch.in_place:
+                lines.append(f"inout {len(data)} {path}")
+                in_place_paths.append((buf.arg, path))
+            else:
+                lines.append(f"in {len(data)} {path}")
         launch_file = Path(tmp) / "launch.txt"
         launch_file.write_text("\n".join(lines) + "\n")
         try:
@@ -462,7 +470,9 @@ def run_launch(
         if proc.returncode != 0:
             raise EmulatorError(f"{kernel.name}: {_describe_crash(proc.returncode, proc.stderr)}")
         outputs = [from_bytes(p.read_bytes(), shape, dtype) for p, shape, dtype in out_paths]
-    return LaunchResult(outputs, exe)
+        written = {i: from_bytes(p.read_bytes(), inputs[i].shape, inputs[i].dtype)
+                   for i, p in in_place_paths}
+    return LaunchResult(outputs, exe, written)
 
 
 METAL = Frontend(emulator_source, buffer_list, _metal_grid)

@@ -420,6 +420,7 @@ struct Launch {
   size_t tg_limit = kMaxThreadgroupMemory;  // "tg_limit N": another target's limit (CUDA)
   struct Buffer {
     bool output;
+    bool in_place = false;  // "inout": an input the kernel writes through its pointer
     size_t nbytes;
     std::string path;
   };
@@ -447,9 +448,10 @@ Launch read_launch(const char* path) {
       L.ordered = m == "ordered";
     } else if (key == "tg_limit") {
       ls >> L.tg_limit;
-    } else if (key == "in" || key == "out") {
+    } else if (key == "in" || key == "out" || key == "inout") {
       Launch::Buffer b;
       b.output = key == "out";
+      b.in_place = key == "inout";
       ls >> b.nbytes;
       ls >> std::ws;
       std::getline(ls, b.path);
@@ -491,7 +493,7 @@ int run_main(int argc, char** argv, LaneEntry entry, int num_buffers) {
           L.buffers.size());
   }
 
-  // Device buffers: guarded; inputs read-only; outputs poisoned.
+  // Device buffers: guarded; inputs read-only but those written in place; outputs poisoned.
   g_regions.reserve(L.buffers.size());
   for (size_t i = 0; i < L.buffers.size(); ++i) {
     const auto& b = L.buffers[i];
@@ -502,7 +504,7 @@ int run_main(int argc, char** argv, LaneEntry entry, int num_buffers) {
       std::memset(r.data, 0xFF, b.nbytes);
     } else {
       read_file(b.path, r.data, b.nbytes);
-      mprotect(r.map + kPage, r.map_size - 2 * kPage, PROT_READ);
+      if (!b.in_place) mprotect(r.map + kPage, r.map_size - 2 * kPage, PROT_READ);
     }
     g_regions.push_back(r);
     g_buffers.push_back(r.data);
@@ -598,7 +600,9 @@ int run_main(int argc, char** argv, LaneEntry entry, int num_buffers) {
   }
 
   for (size_t i = 0; i < L.buffers.size(); ++i) {
-    if (L.buffers[i].output) write_file(L.buffers[i].path, g_regions[i].data, g_regions[i].size);
+    if (L.buffers[i].output || L.buffers[i].in_place) {
+      write_file(L.buffers[i].path, g_regions[i].data, g_regions[i].size);
+    }
   }
   return 0;
 }
