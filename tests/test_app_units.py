@@ -284,3 +284,21 @@ def test_new_chat_defaults_come_from_the_models_generation_config(tmp_path):
     # a broken file is no model setting
     (folder / "generation_config.json").write_text("{not json")
     assert model_defaults(folder) == (FALLBACK, FROM_APP)
+
+
+def test_a_models_title_is_cleaned_and_a_sentence_refused():
+    """What the titler keeps of the model's answer (app/chat/titler.py): the first line
+    without marks, labels, quotes or a final stop; an answer longer than a title is a
+    sentence the model wrote instead of a title (the default model does so for about half of
+    20 first exchanges), and the chat keeps its first message's title rather than a cut one."""
+    from app.core.session_logic import TITLE_LENGTH, clean_title
+
+    assert clean_title('Title: "Paris, the capital."\nmore') == "Paris, the capital"
+    assert clean_title("1. Boil an egg") == "Boil an egg"
+    assert clean_title("**The  Solar System**") == "The Solar System"
+    assert clean_title("   \n  ") is None
+    assert clean_title("...") is None
+    sentence = "A KV cache is a type of cache that stores and reuses the keys of attention"
+    assert len(sentence) > TITLE_LENGTH and clean_title(sentence) is None
+    exact = "x" * TITLE_LENGTH
+    assert clean_title(exact) == exact

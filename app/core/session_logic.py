@@ -44,13 +44,19 @@ def title_prompt(user_text: str, reply_text: str) -> list[dict[str, str]]:
 
 def clean_title(text: str) -> str | None:
     """A title from a model's answer (its first line, without a list mark, a "Title:" label,
-    quotes or a final full stop), or None when nothing usable is left."""
+    quotes or a final full stop), or None when nothing usable is left.
+
+    An answer longer than a title's ``TITLE_LENGTH`` is refused, not cut: asked for 2 to 5
+    words, the default 135M model answers about half of 20 first exchanges with a sentence
+    ("The answer to this question is a spider's legs…", "A KV cache is a type of cache that
+    stores and r…"), and a cut sentence names a chat worse than its first message does."""
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     line = _LABEL.sub("", _LIST_MARK.sub("", line))
     line = line.strip(" \"'`*_“”‘’").rstrip(" .,:;!").strip(" \"'`*_“”‘’")
-    if not line or len(line) > 2 * TITLE_LENGTH:
+    line = " ".join(line.split())
+    if not line or len(line) > TITLE_LENGTH:
         return None
-    return title_from(line)
+    return line
 
 
 def unique_title(title: str, taken: Iterable[str]) -> str:
