@@ -1,5 +1,5 @@
 // The pool's K/V writes on NVIDIA GPUs, in the form mx.fast.cuda_kernel takes (a kernel BODY
-// under its "// ==== kernel: NAME ====" line; engine/attention/kv_quantize.py splits the file as
+// under its "// ==== kernel: NAME ====" line; engine/attention/kv_write.py splits the file as
 // engine/attention/plans.py does the attention kernels'). The text before the first marker is
 // not compiled. The CPU emulation harness (tests/kernel_emulation/cuda_emu.h) compiles the same
 // text, so every CI run executes it.
@@ -10,7 +10,7 @@
 //   quantizes them on the way. MLX's kernels cannot name an output that aliases an input, so
 //   these write through the pointers of their pool inputs (const_cast), as the CPU kernel does
 //   through ctypes (engine/attention/cpu_kernel.py). What keeps that sound is in
-//   engine/attention/kv_quantize.py: every pool array is row-contiguous (so MLX hands the
+//   engine/attention/kv_write.py: every pool array is row-contiguous (so MLX hands the
 //   kernel the pool's own buffer, never a copy), and the layer's attention kernels read the
 //   softmax scale this kernel passes on (attend_scale), so MLX's CUDA graph, which orders
 //   launches by the buffers they exchange, runs them after the write.

@@ -77,7 +77,7 @@ class Launch:
     threadgroup: tuple[int, int, int]
     output_shapes: tuple[tuple[int, ...], ...]
     output_dtypes: tuple
-    #: Inputs the kernel writes through its pointer (engine/attention/kv_quantize.py's
+    #: Inputs the kernel writes through its pointer (engine/attention/kv_write.py's
     #: in-place stores), by index: nothing on a GPU, where MLX passes every input's own
     #: buffer; the CPU emulator maps them writable and hands them back.
     in_place: tuple[int, ...] = ()
@@ -269,7 +269,7 @@ class KernelSet:
                  what: str, signatures: Signatures | None = None) -> None:
         """``attend`` / ``reduce``: the attention kernels (``attention_signatures``; the
         attention kernel gets its 8-bit variant); or ``signatures`` for a file of other
-        kernels (engine/attention/kv_quantize.py), with ``attend`` and ``reduce`` None."""
+        kernels (engine/attention/kv_write.py), with ``attend`` and ``reduce`` None."""
         self.attend = attend
         self.factory = factory
         self.path = path
