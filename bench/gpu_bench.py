@@ -879,10 +879,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-write", choices=("store", "scatter"), default="store",
                         help="how the engine writes K/V on CUDA's kernel path: one in-place "
                              "launch a layer (the engine's) or MLX's scatters (before it)")
+    parser.add_argument("--budget-probe", choices=("on", "off"), default="on",
+                        help="the prefill budget's probe past its knee (the engine's) or not "
+                             "(before it)")
     args = parser.parse_args(argv)
     from engine.runner import model_adapter
+    from engine.sched import prefill_budget
 
     model_adapter.STORE_IN_PLACE = args.kv_write == "store"
+    if args.budget_probe == "off":
+        prefill_budget.PROBE_AFTER = 10**9
     parts = set(args.parts.split(","))
     if args.quick:
         small = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
@@ -915,7 +921,9 @@ def main(argv: list[str] | None = None) -> None:
                               f"block size {BLOCK_SIZE}, engine prefill chunk {PREFILL_CHUNK}, "
                               f"mlx {mx.__version__}"
                               + ("" if args.kv_write == "store" else
-                                 "; K/V written by MLX's scatters (--kv-write scatter)"))
+                                 "; K/V written by MLX's scatters (--kv-write scatter)")
+                              + ("" if args.budget_probe == "on" else
+                                 "; the prefill budget does not probe (--budget-probe off)"))
     t0 = time.perf_counter()
 
     def save():

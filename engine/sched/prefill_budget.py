@@ -32,6 +32,19 @@ a chunk at a long context re-reads that context) drops the knee at once: a price
 as before. Before any costly step is seen, the budget doubles what it found free (a slow
 start).
 
+**Probing past the knee.** A free step confirms the knee and never re-prices the tokens past
+it, so a line once fitted too steep (a slow step a few tokens past the knee prices each of
+them at the whole step's excess) stays: the budget offers what that line allows, rounded to a
+bucket; the step is free; the next offer is the same. On an H100 a paste ran 8-32 tokens a
+step to its end that way in half of 8 runs (2.5-3.4 s among the chats against 1.3-1.4 s:
+bench/results/gpu.md, session 23). So after ``PROBE_AFTER`` free steps in a row that could
+not grow the knee, the next step offers half the knee more (at least ``min_chunk``): free, it
+raises the knee; costly, it prices the tokens past the knee at the current context. A costly
+probe doubles the free steps the next one waits for (up to ``PROBE_MAX_AFTER``), so where the
+line was right probes stay rare; a free one resets the wait. A probe is the one step the
+budget lets pass its target on purpose. On the CPU steps are seldom free (its knee is 0): no
+probes.
+
 **Stable shapes.** ``floor`` (a GPU: engine/loading.py passes the step's bucket rounding)
 rounds a budget that is not the whole chunk down to a bucketed size, so a paste's chunks
 repeat a few shapes and the backend reuses its compiled graphs and matmul plans instead of
@@ -70,6 +83,10 @@ FREE_SHARE = 0.15
 KNEE_WINDOW = 8
 #: Decode-only steps whose median is the decode step.
 DECODE_WINDOW = 16
+#: Free steps in a row at (or under) the knee after which the next step probes past it.
+PROBE_AFTER = 8
+#: The longest wait between probes, after costly ones (each doubles the wait).
+PROBE_MAX_AFTER = 128
 
 
 class PrefillBudget:
@@ -88,6 +105,9 @@ class PrefillBudget:
         self._free: deque[int] = deque(maxlen=KNEE_WINDOW)  # the latest free chunks' sizes
         self._banked = 0.0  # allowance saved by skipped steps (seconds)
         self._skipped = 0
+        self._free_run = 0  # free steps in a row that did not raise the knee
+        self._probe_after = PROBE_AFTER  # free steps the next probe waits for
+        self._probing = False  # the last budget() was a probe past the knee
         #: The last budget() skipped the prompts under way (new prompts may still start).
         self.holding = False
 
@@ -120,6 +140,11 @@ class PrefillBudget:
         else:
             fits = self._shaped(knee + self.cost.tokens_within(min(credit, peak),
                                                                context + knee))
+        self._probing = False
+        if knee and fits <= knee and self._free_run >= self._probe_after:
+            probe = self._shaped(knee + max(self.min_chunk, knee // 2))
+            if probe > knee:
+                fits, self._probing, self._free_run = probe, True, 0
         # A prompt whose smallest chunk costs more than a step's allowance keeps what its
         # chunk left of the credit (the peak capped the chunk: that allowance is its share,
         # not lost), at most one peak step's worth; one that fits every step banks nothing.
@@ -157,9 +182,17 @@ class PrefillBudget:
             return  # cannot tell the prompt's share of this step yet
         base = self.decode_s if decode_rows else 0.0
         extra = step_s - base
+        probed, self._probing = self._probing, False
         if decode_rows and extra <= FREE_SHARE * base:
+            raised = prompt_tokens > self.knee
             self._free.append(prompt_tokens)  # free: the knee is at least this
+            self._free_run = 0 if raised else self._free_run + 1
+            if probed:
+                self._probe_after = PROBE_AFTER
             return
+        self._free_run = 0
+        if probed:
+            self._probe_after = min(2 * self._probe_after, PROBE_MAX_AFTER)
         knee = self.knee
         if prompt_tokens <= knee:
             self._free.clear()  # tokens under the knee cost something: there is none
