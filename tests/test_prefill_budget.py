@@ -284,3 +284,32 @@ def test_a_steep_price_does_not_lock_the_budget_below_its_free_tokens():
     assert sum(taken[40:]) / len(taken[40:]) >= 48, taken
     assert max(ratios) <= 2.5, [round(r, 2) for r in ratios]
     assert all(bucket(n) == n for n in taken), taken
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["in-order", "overlapped"])
+def test_costly_probes_grow_rare_where_the_price_is_right(lag):
+    """Where tokens past a real knee do cost what the line says (64 free, then 0.4 ms a
+    token, the line fitted to that), a probe is a step over the target that teaches nothing:
+    each costly probe doubles the wait for the next, on an engine that observes a step
+    before the next budget (lag 0) and on an overlapped one that asks the next budget first
+    (lag 1)."""
+    decode = 0.0066
+    budget = PrefillBudget(max_chunk=256, min_chunk=8, target=2.0, floor=bucket_below)
+
+    def card(n: int) -> float:
+        return decode + max(0, n - 64) * 0.0004
+
+    for _ in range(4):
+        budget.observe(decode, decode_rows=5, prompt_tokens=0)
+    context, pending, taken = 0, [], []
+    for _ in range(400):
+        n = budget.budget(decoding=True, context=context)
+        pending.append((card(n), n, context + n / 2))
+        context += n
+        taken.append(n)
+        while len(pending) > lag:
+            step, m, ctx = pending.pop(0)
+            budget.observe(step, decode_rows=5, prompt_tokens=m, prompt_context=ctx)
+    steady = max(set(taken[50:]), key=taken[50:].count)
+    probes = sum(1 for n in taken[50:] if n > steady)
+    assert probes <= 5, (steady, probes, taken)

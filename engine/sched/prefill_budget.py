@@ -107,7 +107,9 @@ class PrefillBudget:
         self._skipped = 0
         self._free_run = 0  # free steps in a row that did not raise the knee
         self._probe_after = PROBE_AFTER  # free steps the next probe waits for
-        self._probing = False  # the last budget() was a probe past the knee
+        #: The size of the probe under way, until its step is observed (an overlapped engine
+        #: asks the next step's budget before it observes the last step).
+        self._probe_tokens: int | None = None
         #: The last budget() skipped the prompts under way (new prompts may still start).
         self.holding = False
 
@@ -140,11 +142,10 @@ class PrefillBudget:
         else:
             fits = self._shaped(knee + self.cost.tokens_within(min(credit, peak),
                                                                context + knee))
-        self._probing = False
         if knee and fits <= knee and self._free_run >= self._probe_after:
             probe = self._shaped(knee + max(self.min_chunk, knee // 2))
             if probe > knee:
-                fits, self._probing, self._free_run = probe, True, 0
+                fits, self._probe_tokens, self._free_run = probe, probe, 0
         # A prompt whose smallest chunk costs more than a step's allowance keeps what its
         # chunk left of the credit (the peak capped the chunk: that allowance is its share,
         # not lost), at most one peak step's worth; one that fits every step banks nothing.
@@ -182,7 +183,9 @@ class PrefillBudget:
             return  # cannot tell the prompt's share of this step yet
         base = self.decode_s if decode_rows else 0.0
         extra = step_s - base
-        probed, self._probing = self._probing, False
+        probed = prompt_tokens == self._probe_tokens
+        if probed:
+            self._probe_tokens = None
         if decode_rows and extra <= FREE_SHARE * base:
             raised = prompt_tokens > self.knee
             self._free.append(prompt_tokens)  # free: the knee is at least this
