@@ -79,25 +79,43 @@ __device__ __forceinline__ size_t kv_slot_head(const int32_t* blocks, const int3
   return (size_t(b) * size_t(block_size) + size_t(offsets[row])) * kv_heads + head;
 }
 
+// A kv_store warp's item: which of K (false) or V (true) it writes, its head row r (row *
+// kv_heads + head) of that tensor, and r's pool index. Thread 0 passes the softmax scale on
+// (the edge that orders the layer's attention after the write). False: the warp is past the
+// last item and returns whole.
+__device__ __forceinline__ bool kv_store_item(const int32_t* blocks, const int32_t* offsets,
+                                              uint32_t rows, uint32_t kv_heads, int num_blocks,
+                                              int block_size, const float* scale,
+                                              float* attend_scale, uint32_t lane, uint32_t item,
+                                              bool& is_v, uint32_t& r, size_t& at) {
+  if (item == 0 && lane == 0) {
+    attend_scale[0] = scale[0];
+  }
+  const uint32_t head_rows = rows * kv_heads;
+  if (item >= 2u * head_rows) {
+    return false;
+  }
+  is_v = item >= head_rows;
+  r = is_v ? item - head_rows : item;
+  at = kv_slot_head(blocks, offsets, r / kv_heads, r % kv_heads, num_blocks, block_size,
+                    kv_heads);
+  return true;
+}
+
 // ==== kernel: kv_store ====
 // keys, values [rows, kv_heads, D] of T; slot_blocks, slot_offsets int32 [rows]; k_pool,
 // v_pool [blocks, block_size, kv_heads, D] of T, written in place; scale float [1] ->
 // attend_scale float [1], the same value. One warp per (row, KV head) of K, then of V; the
 // grid is 32 threads per warp-item (rounded up to whole blocks by MLX).
 const uint32_t lane = threadIdx.x & 31u;
-const uint32_t item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-if (item == 0 && lane == 0) {
-  attend_scale[0] = scale[0];
-}
-const uint32_t kv_heads = uint32_t(keys_shape[1]);
-const uint32_t head_rows = uint32_t(keys_shape[0]) * kv_heads;
-if (item >= 2u * head_rows) {
+bool is_v;
+uint32_t r;
+size_t at;
+if (!kv_store_item(slot_blocks, slot_offsets, uint32_t(keys_shape[0]), uint32_t(keys_shape[1]),
+                   k_pool_shape[0], k_pool_shape[1], scale, attend_scale, lane,
+                   (blockIdx.x * blockDim.x + threadIdx.x) >> 5, is_v, r, at)) {
   return;
 }
-const bool is_v = item >= head_rows;
-const uint32_t r = is_v ? item - head_rows : item;
-const size_t at = kv_slot_head(slot_blocks, slot_offsets, r / kv_heads, r % kv_heads,
-                               k_pool_shape[0], k_pool_shape[1], kv_heads);
 const T* src = (is_v ? values : keys) + size_t(r) * D;
 T* dst = const_cast<T*>(is_v ? v_pool : k_pool) + at * D;
 for (uint32_t i = lane; i < uint32_t(D); i += 32u) {
@@ -109,19 +127,14 @@ for (uint32_t i = lane; i < uint32_t(D); i += 32u) {
 // int32 [rows]; k_pool, v_pool int8 [blocks, block_size, kv_heads, D] and k_scales, v_scales
 // __half [blocks, block_size, kv_heads], written in place; scale float [1] -> attend_scale.
 const uint32_t lane = threadIdx.x & 31u;
-const uint32_t item = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-if (item == 0 && lane == 0) {
-  attend_scale[0] = scale[0];
-}
-const uint32_t kv_heads = uint32_t(keys_shape[1]);
-const uint32_t head_rows = uint32_t(keys_shape[0]) * kv_heads;
-if (item >= 2u * head_rows) {
+bool is_v;
+uint32_t r;
+size_t at;
+if (!kv_store_item(slot_blocks, slot_offsets, uint32_t(keys_shape[0]), uint32_t(keys_shape[1]),
+                   k_pool_shape[0], k_pool_shape[1], scale, attend_scale, lane,
+                   (blockIdx.x * blockDim.x + threadIdx.x) >> 5, is_v, r, at)) {
   return;
 }
-const bool is_v = item >= head_rows;
-const uint32_t r = is_v ? item - head_rows : item;
-const size_t at = kv_slot_head(slot_blocks, slot_offsets, r / kv_heads, r % kv_heads,
-                               k_pool_shape[0], k_pool_shape[1], kv_heads);
 const __half s16 = kq_quantize_head<D>((is_v ? values : keys) + size_t(r) * D,
                                        const_cast<int8_t*>(is_v ? v_pool : k_pool) + at * D,
                                        lane);

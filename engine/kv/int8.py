@@ -57,4 +57,3 @@ def _quantize_pair(keys: mx.array, values: mx.array) -> tuple[mx.array, ...]:
 #: 5.2 ms op by op, storing the same bytes; scripts/gpu/kv_write_cost.py). Traced once per
 #: row shape and dtype.
 quantize_kv = mx.compile(_quantize_pair)
-
