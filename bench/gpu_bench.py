@@ -562,7 +562,7 @@ class BudgetTrace:
         def budget(decoding, context=0):
             tokens = real_budget(decoding, context)
             self.events.append(("budget", time.perf_counter(), tokens, int(prefill.holding),
-                                context))
+                                context, prefill.free_tokens))
             return tokens
 
         def observe(step_s, decode_rows, prompt_tokens, prompt_context=0.0):
@@ -882,13 +882,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-probe", choices=("on", "off"), default="on",
                         help="the prefill budget's probe past its knee (the engine's) or not "
                              "(before it)")
+    parser.add_argument("--yield-free", choices=("on", "off"), default="on",
+                        help="a yielding paste takes the step's free tokens where they are "
+                             "more than its share (the engine's) or only the share (before)")
     args = parser.parse_args(argv)
     from engine.runner import model_adapter
-    from engine.sched import prefill_budget
+    from engine.sched import prefill_budget, scheduler
 
     model_adapter.STORE_IN_PLACE = args.kv_write == "store"
     if args.budget_probe == "off":
         prefill_budget.PROBE_AFTER = 10**9
+    if args.yield_free == "off":  # the A/B's "before": a yielding prompt gets the share only
+        scheduler.YieldShare.cap = lambda self, taken: self.share
     parts = set(args.parts.split(","))
     if args.quick:
         small = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512,
@@ -923,7 +928,9 @@ def main(argv: list[str] | None = None) -> None:
                               + ("" if args.kv_write == "store" else
                                  "; K/V written by MLX's scatters (--kv-write scatter)")
                               + ("" if args.budget_probe == "on" else
-                                 "; the prefill budget does not probe (--budget-probe off)"))
+                                 "; the prefill budget does not probe (--budget-probe off)")
+                              + ("" if args.yield_free == "on" else
+                                 "; a yielding paste takes its share only (--yield-free off)"))
     t0 = time.perf_counter()
 
     def save():

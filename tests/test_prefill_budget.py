@@ -313,3 +313,86 @@ def test_costly_probes_grow_rare_where_the_price_is_right(lag):
     steady = max(set(taken[50:]), key=taken[50:].count)
     probes = sum(1 for n in taken[50:] if n > steady)
     assert probes <= 5, (steady, probes, taken)
+
+
+def test_free_tokens_are_the_knee_or_the_whole_of_a_probe():
+    """``free_tokens`` tells the scheduler how much of a step's budget costs the decoding chats
+    nothing (a yielding paste may take that much): the knee, all of a probe or of a slow-start
+    offer (steps that test for more), and none where every prompt token costs (a CPU)."""
+    decode = 0.005
+    budget = PrefillBudget(max_chunk=256, min_chunk=8, target=2.0, floor=bucket_below)
+    budget.observe(decode, decode_rows=5, prompt_tokens=0)
+    assert budget.budget(decoding=True) == 8 and budget.free_tokens == 8  # a test: the least
+    budget.observe(decode, decode_rows=5, prompt_tokens=8)
+    n = budget.budget(decoding=True)
+    assert n == 16 and budget.free_tokens == 16  # the slow start's offer tests 16
+    budget.observe(decode * 1.05, decode_rows=5, prompt_tokens=16)
+    budget.observe(decode * 1.05, decode_rows=5, prompt_tokens=64)
+    budget.observe(decode * 1.6, decode_rows=5, prompt_tokens=128, prompt_context=64)
+    free_run = []
+    for _ in range(12):  # priced now: offers past the knee are not free
+        n = budget.budget(decoding=True, context=200)
+        free_run.append(budget.free_tokens)
+        assert budget.free_tokens == min(n, 64) or budget.free_tokens == n > 64  # a probe
+        budget.observe(decode * 1.05 if n <= 64 else decode * 1.6, decode_rows=5,
+                       prompt_tokens=n, prompt_context=200)
+    assert 64 in free_run
+
+    cpu = PrefillBudget(max_chunk=256, min_chunk=8, target=2.0)
+    cpu.observe(0.1, decode_rows=4, prompt_tokens=0)
+    for _ in range(10):
+        n = cpu.budget(decoding=True, context=1000)
+        cpu.observe(0.1 + n * 0.004, decode_rows=4, prompt_tokens=n, prompt_context=1000)
+    cpu.budget(decoding=True, context=1000)
+    assert cpu.free_tokens == 0
+
+
+def test_a_yielding_paste_reads_a_launch_bound_steps_free_tokens():
+    """The scheduler and the budget together, on a card where a step carries up to 128
+    prompt tokens at a decode step's cost and 0.1 ms a token past that (the 1B shape on an
+    H100, roughly): a paste that yields to the focused chat still reads the free tokens each
+    step, so it finishes in close to 8,000 / 128 steps, where the background share alone
+    (64) takes twice as many; no step passes the p99 bound (2.5 decode steps)."""
+    from engine.config import Priority
+    from engine.events import SequenceState
+    from engine.kv.blocks import BlockAllocator
+    from engine.sched.scheduler import Scheduler
+    from tests.test_scheduler import make_seq, run
+
+    decode = 0.0062
+
+    def card(n: int) -> float:
+        return decode + max(0, n - 128) * 0.0001
+
+    def paste_steps(free_tokens_used: bool) -> tuple[int, float]:
+        sched = Scheduler(BlockAllocator(1024, 16), max_batch=8, prefill_chunk=256)
+        budget = PrefillBudget(max_chunk=256, min_chunk=8, target=2.0, floor=bucket_below)
+        focused = make_seq([1, 2, 3], "focused")
+        focused.request.priority = Priority.INTERACTIVE
+        sched.add(focused)
+        run(sched, sched.schedule())
+        for _ in range(4):
+            budget.observe(decode, decode_rows=1, prompt_tokens=0)
+        paste = make_seq(list(range(8000)), "paste")
+        sched.add(paste)
+        steps, worst = 0, 0.0
+        while paste.state is not SequenceState.DECODING:
+            n = budget.budget(decoding=True, context=paste.num_in_table)
+            free = budget.free_tokens if free_tokens_used else 0
+            plan = sched.schedule(n, continue_prompts=not budget.holding, free_tokens=free)
+            tokens = sum(len(w.tokens) for w in plan.works if w.seq is paste)
+            assert len({w.seq.session_id for w in plan.works} & {"focused"}) == 1
+            step = card(tokens)
+            budget.observe(step, decode_rows=1, prompt_tokens=tokens,
+                           prompt_context=paste.num_in_table + tokens / 2)
+            run(sched, plan)
+            steps += 1
+            worst = max(worst, step / decode)
+            focused.tokens[-1:] = [5]  # the focused chat keeps decoding (its token fed back)
+        return steps, worst
+
+    with_free, worst = paste_steps(True)
+    share_only, _ = paste_steps(False)
+    assert with_free <= 8000 / 128 * 1.25, with_free
+    assert share_only >= 8000 / 64 * 0.95, share_only
+    assert worst <= 2.5, worst

@@ -102,6 +102,37 @@ def test_a_long_paste_beside_decoding_chats_takes_the_whole_adaptive_budget() ->
     assert paste.waiting_reason == WAIT_YIELD  # capped by its share in the last step
 
 
+def test_a_yielding_paste_still_takes_the_steps_free_tokens() -> None:
+    """On a launch-bound GPU a step carries some prompt tokens at a decode step's cost (the
+    prefill budget's knee, ``free_tokens``): capping a yielding paste below them slowed the
+    paste and bought the focused chat nothing (H100: 64-token chunks where 128 were free).
+    It takes what is left of them after the prompts above it, never more than the budget,
+    and the share where they are fewer."""
+    sched = Scheduler(BlockAllocator(1024, 16), max_batch=8, prefill_chunk=256)
+    share = int(256 * BACKGROUND_SHARE)
+    decoding(sched, "focused", Priority.INTERACTIVE)
+    paste = with_priority(make_seq(list(range(LONG_PROMPT_TOKENS + 1000)), "paste"),
+                          Priority.NORMAL)
+    sched.add(paste)
+
+    def taken(budget: int, free: int) -> dict[str, int]:
+        plan = sched.schedule(budget, free_tokens=free)
+        run(sched, plan)
+        return {w.seq.session_id: len(w.tokens) for w in plan.works}
+
+    assert taken(200, 160) == {"focused": 1, "paste": 160}  # admitted with them
+    assert paste.waiting_reason == WAIT_YIELD  # 40 more would have fit the time budget
+    assert taken(200, 0) == {"focused": 1, "paste": share}  # a CPU's step: none are free
+    assert taken(200, 40) == {"focused": 1, "paste": share}  # fewer than the share
+    assert taken(128, 128) == {"focused": 1, "paste": 128}  # all of the budget is free
+    assert paste.waiting_reason == ""
+    question = with_priority(make_seq(list(range(7, 57)), "question"), Priority.INTERACTIVE)
+    sched.add(question)  # the focused pane's new prompt is read first, from the free tokens
+    assert taken(256, 160) == {"focused": 1, "question": 50, "paste": 110}
+    assert taken(256, 160) == {"focused": 1, "question": 1, "paste": 160}
+    check_invariants(sched.alloc, [s.table for s in sched.running.values()])
+
+
 def test_background_prompts_yield_to_an_interactive_chat_but_not_to_each_other() -> None:
     budget = 64
     sched = Scheduler(BlockAllocator(256, 16), max_batch=8, prefill_chunk=budget)

@@ -116,7 +116,8 @@ class StepRunner:
         if self.disk is not None:
             self.disk.restore()  # blocks read back from disk join the prefix cache first
         budget = self.prefill.budget(self.scheduler.decoding, self.scheduler.prompt_context)
-        plan = self.scheduler.schedule(budget, continue_prompts=not self.prefill.holding)
+        plan = self.scheduler.schedule(budget, continue_prompts=not self.prefill.holding,
+                                       free_tokens=self.prefill.free_tokens)
         if self.disk is not None:
             self.disk.save_evicted()  # before the step writes into the blocks it evicted
         self._end_failed(plan.failed)

@@ -29,8 +29,9 @@ tokens a recent step carried at no measurable cost (within ``FREE_SHARE`` of a d
 the steps' own noise), and prices only the tokens past it; free steps confirm the knee and
 never pull the price down. A step no larger than the knee that was not free (the CPU, where
 a chunk at a long context re-reads that context) drops the knee at once: a price per token
-as before. Before any costly step is seen, the budget doubles what it found free (a slow
-start).
+as before. Before any costly step is seen, the budget offers half again what it found free
+(a slow start, one bucket a step: doubling overshot a 128-token knee by 3 decode steps where
+tokens past it cost 0.1 ms each).
 
 **Probing past the knee.** A free step confirms the knee and never re-prices the tokens past
 it, so a line once fitted too steep (a slow step a few tokens past the knee prices each of
@@ -112,6 +113,11 @@ class PrefillBudget:
         self._probe_tokens: int | None = None
         #: The last budget() skipped the prompts under way (new prompts may still start).
         self.holding = False
+        #: How many of the last budget()'s tokens cost the decoding chats nothing measurable:
+        #: up to the knee, or the whole offer of a step that tests for more (a probe, the slow
+        #: start). A prompt that yields to a chat of higher priority may still take these
+        #: (engine/sched/scheduler.py's ``YieldShare``): they do not slow that chat.
+        self.free_tokens = 0
 
     def budget(self, decoding: bool, context: int = 0) -> int:
         """Prompt tokens for the next step, given whether any chat is decoding in it and the
@@ -120,14 +126,16 @@ class PrefillBudget:
         docstring), ``holding`` is set and the budget is what a fresh prompt may take.
         """
         self.holding = False
+        self.free_tokens = 0
         if not decoding or not self.target:
             self._banked, self._skipped = 0.0, 0
             return self.max_chunk
         if self.decode_s is None:
             return self.min_chunk  # no measurement yet: start small, learn from this step
         knee = self.knee
-        if not self.cost.ready:  # every chunk so far was free: try twice the largest
-            return self._shaped(2 * knee)
+        if not self.cost.ready:  # every chunk so far was free: try half again the largest
+            self.free_tokens = self._shaped(knee + max(self.min_chunk, knee // 2))
+            return self.free_tokens
         allowance = (self.target - 1.0) * self.decode_s
         peak = (PEAK_OVER_TARGET * self.target - 1.0) * self.decode_s
         credit = self._banked + allowance
@@ -136,16 +144,20 @@ class PrefillBudget:
             self._skipped += 1
             self._banked = credit
             self.holding = True
-            return self._shaped(knee + self.cost.tokens_within(allowance, knee))
+            fresh = self._shaped(knee + self.cost.tokens_within(allowance, knee))
+            self.free_tokens = min(fresh, knee)
+            return fresh
         if smallest > min(credit, peak):  # the guaranteed share, or a smallest chunk past
             fits = self._shaped(self.min_chunk)  # the peak that the bank now pays for
         else:
             fits = self._shaped(knee + self.cost.tokens_within(min(credit, peak),
                                                                context + knee))
+        self.free_tokens = min(fits, knee)
         if knee and fits <= knee and self._free_run >= self._probe_after:
             probe = self._shaped(knee + max(self.min_chunk, knee // 2))
             if probe > knee:
                 fits, self._probe_tokens, self._free_run = probe, probe, 0
+                self.free_tokens = probe
         # A prompt whose smallest chunk costs more than a step's allowance keeps what its
         # chunk left of the credit (the peak capped the chunk: that allowance is its share,
         # not lost), at most one peak step's worth; one that fits every step banks nothing.

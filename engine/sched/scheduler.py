@@ -85,6 +85,20 @@ class StepPlan:
         return [work.seq, *self.forks.get(work.seq.seq_id, ())]
 
 
+
+@dataclass(frozen=True)
+class YieldShare:
+    """What a yielding prompt (background work, a long paste) may take of one step while a
+    chat of higher priority runs: ``share`` tokens, or what is left of the step's
+    ``free_tokens`` (those it carries at a decode step's cost) once ``taken`` prompt tokens
+    are in it, whichever is more."""
+
+    share: int
+    free_tokens: int = 0
+
+    def cap(self, taken: int) -> int:
+        return max(self.share, self.free_tokens - taken)
+
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_batch: int, prefill_chunk: int) -> None:
         self.alloc = allocator
@@ -151,19 +165,24 @@ class Scheduler:
                    default=0)
 
     def schedule(self, prompt_budget: int | None = None,
-                 continue_prompts: bool = True) -> StepPlan:
+                 continue_prompts: bool = True, free_tokens: int = 0) -> StepPlan:
         """Plan one step; ``prompt_budget`` caps its prompt tokens (default: prefill_chunk);
         ``continue_prompts`` False: the prompts under way skip this step (a long paste's
         chunk costs more than one step allows, engine/sched/prefill_budget.py), new ones are
-        still admitted.
+        still admitted; ``free_tokens``: how many of the budget's tokens the step carries at
+        no measurable cost to the chats decoding in it (the budget's knee on a launch-bound
+        GPU, ``PrefillBudget.free_tokens``; 0 where a prompt token always costs).
 
         Waiting prompts are admitted before running prompts continue (highest priority, then
         shortest first, with at most half the budget while some prompt is mid-way, so that
         one still advances every step), and running prompts continue highest priority, then
         shortest-remaining first: a short chat arriving during a long paste gets its first
         token after a few steps, not after the whole paste. Background work and long pastes
-        take at most ``BACKGROUND_SHARE`` of a full chunk (and never more than the step's
-        budget) while a chat of higher priority runs.
+        take at most ``BACKGROUND_SHARE`` of a full chunk, or what is left of the step's free
+        tokens where that is more (and never more than the step's budget), while a chat of
+        higher priority runs: a yield that would cost the paste its free tokens buys the
+        chats above it nothing (on an H100 a paste capped at the share read 64 tokens a step
+        where steps carried more at a decode step's cost: bench/results/gpu.md, session 24).
         """
         self.steps += 1
         plan = StepPlan()
@@ -179,14 +198,15 @@ class Scheduler:
                 self._reserve(seq, 1, plan, self.drafts.granted(seq, len(self.running)))
                 scheduled.add(seq.seq_id)
 
-        share = max(1, int(self.prefill_chunk * BACKGROUND_SHARE))
+        share = YieldShare(max(1, int(self.prefill_chunk * BACKGROUND_SHARE)), free_tokens)
         mid_prompt = any(s.num_to_feed >= 2 for s in self.running.values())
         # Only a prompt to read can yield: a step of decodes alone needs no ranking.
         urgent = self._most_urgent() if mid_prompt or self.waiting else None
         # half for new prompts while one is under way (it advances every step), unless it
         # skips this step
         admit_budget = max(1, budget // 2) if mid_prompt and continue_prompts else budget
-        budget -= self._admit(plan, min(budget, admit_budget), scheduled, urgent, share)
+        taken = self._admit(plan, min(budget, admit_budget), scheduled, urgent, share)
+        budget -= taken
 
         under_way = [s for s in self.running.values()
                      if s.num_to_feed >= 2 and s.seq_id not in scheduled]
@@ -199,17 +219,20 @@ class Scheduler:
             if budget <= 0:
                 seq.waiting_reason = WAIT_BUDGET
                 continue
-            cap = share if self._yields(seq, urgent) else budget
+            yields = self._yields(seq, urgent)
+            cap = share.cap(taken) if yields else budget
             n = min(budget, cap, seq.num_to_feed)
             n = min(n, tokens_that_fit(self.alloc, seq.table))
             if n < 1:
                 if not self._make_room(seq, 1, plan):
                     continue
                 n = min(budget, cap, seq.num_to_feed, tokens_that_fit(self.alloc, seq.table))
-            seq.waiting_reason = WAIT_YIELD if n == cap == share < seq.num_to_feed else ""
+            seq.waiting_reason = (WAIT_YIELD if yields and n == cap < min(budget, seq.num_to_feed)
+                                  else "")
             self._reserve(seq, n, plan)
             scheduled.add(seq.seq_id)
             budget -= n
+            taken += n
         self._fork_samples(plan)
         return plan
 
@@ -314,7 +337,7 @@ class Scheduler:
         return urgent is not None and self._rank(seq) < urgent
 
     def _admit(self, plan: StepPlan, budget: int, scheduled: set[int],
-               urgent: Priority | None = None, share: int | None = None) -> int:
+               urgent: Priority | None = None, share: YieldShare | None = None) -> int:
         """Admit waiting sequences (reusing the prefix cache) within ``budget`` prompt
         tokens, the batch limit and the free blocks; returns the tokens it reserved."""
         used = 0
@@ -362,8 +385,9 @@ class Scheduler:
                 seq.waiting_reason = WAIT_DISK
                 continue
             cap = budget - used
-            if share is not None and self._yields(seq, urgent):
-                cap = min(cap, share)
+            yields = share is not None and self._yields(seq, urgent)
+            if yields:
+                cap = min(cap, share.cap(used))
             n = min(cap, seq.length - cached, tokens_that_fit(self.alloc, table))
             if n < 1:
                 self.alloc.free(table)
@@ -377,7 +401,9 @@ class Scheduler:
             if seq.state is SequenceState.WAITING and seq.num_generated == 0:
                 seq.request.cached_prompt_tokens = max(seq.request.cached_prompt_tokens, cached)
             seq.state = SequenceState.PREFILLING
-            seq.waiting_reason = WAIT_YIELD if n == cap == share < seq.length - cached else ""
+            seq.waiting_reason = (WAIT_YIELD if yields and n == cap < min(budget - used,
+                                                                        seq.length - cached)
+                                  else "")
             self.running[seq.seq_id] = seq
             self._reserve(seq, n, plan)
             scheduled.add(seq.seq_id)
