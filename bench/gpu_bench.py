@@ -34,6 +34,7 @@ for a smoke run, which CI does).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import threading
@@ -61,18 +62,31 @@ APP_SAMPLING = dict(temperature=0.3, top_p=0.9, min_p=0.0, top_k=0, repetition_p
 WORKLOADS = ("greedy", "app-sampling")
 
 
+@functools.cache
 def make_tokenizer(vocab: int):
     """A real tokenizer (tokenizers WordLevel, one word per id) wrapped as mlx-lm wraps any:
     the engine and batch_generate detokenize through it. No EOS: every request runs to
-    max_tokens on both sides."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    max_tokens on both sides.
+
+    Byte-level, as the models users run are (SmolLM2, Llama 3, Qwen: a ``ByteLevel`` decoder,
+    each word "Ġw<id>", a space and the word), with the streaming detokenizer mlx-lm's
+    ``load`` gives such a tokenizer (``BPEStreamingDetokenizer``: constant work a token).
+    The word-piece decoder this bench first used got mlx-lm's naive detokenizer, which
+    decodes the whole reply again at every token (0.05 ms a token at 128 tokens, 0.19 at
+    512, on the CI machine): the engine, which streams text, paid it on every row of every
+    step and ``batch_generate``, which decodes once at the end, did not; the paste's
+    streams, hundreds of tokens long, made the decode step the budget aims at 5-8 ms where
+    it was 5 before the paste (H100, session 24)."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok = Tokenizer(models.WordLevel({f"\u0120w{i}": i for i in range(vocab)},
+                                     unk_token="\u0120w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    return TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=tok))
+    tok.decoder = decoders.ByteLevel()
+    return TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=tok),
+                            detokenizer_class=BPEStreamingDetokenizer)
 
 
 def make_model(shape: dict, dtype: mx.Dtype, vocab: int = VOCAB, seed: int = 0):
