@@ -348,11 +348,12 @@ def test_free_tokens_are_the_knee_or_the_whole_of_a_probe():
 
 
 def test_a_yielding_paste_reads_a_launch_bound_steps_free_tokens():
-    """The scheduler and the budget together, on a card where a step carries up to 128
-    prompt tokens at a decode step's cost and 0.1 ms a token past that (the 1B shape on an
-    H100, roughly): a paste that yields to the focused chat still reads the free tokens each
-    step, so it finishes in close to 8,000 / 128 steps, where the background share alone
-    (64) takes twice as many; no step passes the p99 bound (2.5 decode steps)."""
+    """The scheduler and the budget together, on a simulated card where a step carries up to
+    128 prompt tokens at a decode step's cost and 0.1 ms a token past that (a decode step of
+    6.2 ms, as the 1B shape's on an H100): a paste that yields to the focused chat still
+    reads the free tokens each step, so it finishes in close to 8,000 / 128 steps, where the
+    background share alone (64) takes twice as many; no step passes the p99 bound (2.5
+    decode steps)."""
     from engine.config import Priority
     from engine.events import SequenceState
     from engine.kv.blocks import BlockAllocator

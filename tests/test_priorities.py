@@ -104,8 +104,8 @@ def test_a_long_paste_beside_decoding_chats_takes_the_whole_adaptive_budget() ->
 
 def test_a_yielding_paste_still_takes_the_steps_free_tokens() -> None:
     """On a launch-bound GPU a step carries some prompt tokens at a decode step's cost (the
-    prefill budget's knee, ``free_tokens``): capping a yielding paste below them slowed the
-    paste and bought the focused chat nothing (H100: 64-token chunks where 128 were free).
+    prefill budget's knee, ``free_tokens``): capping a yielding paste below them slows the
+    paste and buys the focused chat nothing.
     It takes what is left of them after the prompts above it, never more than the budget,
     and the share where they are fewer."""
     sched = Scheduler(BlockAllocator(1024, 16), max_batch=8, prefill_chunk=256)

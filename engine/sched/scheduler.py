@@ -85,7 +85,6 @@ class StepPlan:
         return [work.seq, *self.forks.get(work.seq.seq_id, ())]
 
 
-
 @dataclass(frozen=True)
 class YieldShare:
     """What a yielding prompt (background work, a long paste) may take of one step while a
@@ -98,6 +97,7 @@ class YieldShare:
 
     def cap(self, taken: int) -> int:
         return max(self.share, self.free_tokens - taken)
+
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_batch: int, prefill_chunk: int) -> None:
@@ -180,9 +180,10 @@ class Scheduler:
         token after a few steps, not after the whole paste. Background work and long pastes
         take at most ``BACKGROUND_SHARE`` of a full chunk, or what is left of the step's free
         tokens where that is more (and never more than the step's budget), while a chat of
-        higher priority runs: a yield that would cost the paste its free tokens buys the
-        chats above it nothing (on an H100 a paste capped at the share read 64 tokens a step
-        where steps carried more at a decode step's cost: bench/results/gpu.md, session 24).
+        higher priority runs: a yield below the free tokens buys the chats above it nothing.
+        (On an H100 the share held a paste at 64 tokens a step in steps that cost about a
+        decode step, 5.5 ms against 5.0: bench/results/gpu.md, session 23; and the budget
+        could not learn whether more were free.)
         """
         self.steps += 1
         plan = StepPlan()
