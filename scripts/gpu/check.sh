@@ -20,5 +20,7 @@ engine_rc=$?
 engine=$(tail -1 "$OUT/check.log")
 verdict=PASS
 [ $kernels_rc -eq 0 ] && [ $engine_rc -eq 0 ] || verdict=FAIL
-echo "gpu-check $verdict | kernels: $kernels | engine: ${engine#gpu-check: } | commit ${GPU_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)} | $(( $(date +%s) - t0 )) s"
+# the commit as typed here (GPU_COMMIT; the device's git metadata is stale), and the source
+# fingerprint scripts/gpu/source_id.sh prints for the code that ran (compare it here)
+echo "gpu-check $verdict | kernels: $kernels | engine: ${engine#gpu-check: } | commit ${GPU_COMMIT:-not given} | source $(bash scripts/gpu/source_id.sh) | $(( $(date +%s) - t0 )) s"
 [ $verdict = PASS ]
