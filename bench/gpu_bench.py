@@ -74,9 +74,10 @@ def make_tokenizer(vocab: int):
     The word-piece decoder this bench first used got mlx-lm's naive detokenizer, which
     decodes the whole reply again at every token (0.05 ms a token at 128 tokens, 0.19 at
     512, on the CI machine): the engine, which streams text, paid it on every row of every
-    step and ``batch_generate``, which decodes once at the end, did not; the paste's
-    streams, hundreds of tokens long, made the decode step the budget aims at 5-8 ms where
-    it was 5 before the paste (H100, session 24)."""
+    step and ``batch_generate``, which decodes once at the end, did not. On the CPU the
+    engine's bookkeeping rose from 0.6 to 3.2 ms a step over one paste
+    (bench/paste_host_phases.py); likely a part, not measured on the GPU, of why the
+    budget's decode step rose from 5.0 to 7.9 ms during a paste on an H100 (session 23)."""
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
