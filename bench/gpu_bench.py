@@ -913,11 +913,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--yield-free", choices=("on", "off"), default="on",
                         help="a yielding paste takes the step's free tokens where they are "
                              "more than its share (the engine's) or only the share (before)")
+    parser.add_argument("--gathered-prefill", default=None, metavar="N|off",
+                        help="on CUDA's kernel path, prefill chunks of N tokens or more attend "
+                             "by MLX's attention over gathered blocks, off: the paged kernel "
+                             "for every chunk (default: the engine's, "
+                             "model_adapter.GATHERED_PREFILL_FROM)")
     args = parser.parse_args(argv)
     from engine.runner import model_adapter
     from engine.sched import prefill_budget, scheduler
 
     model_adapter.STORE_IN_PLACE = args.kv_write == "store"
+    if args.gathered_prefill is not None:
+        model_adapter.GATHERED_PREFILL_FROM = (None if args.gathered_prefill == "off"
+                                               else int(args.gathered_prefill))
     if args.budget_probe == "off":
         prefill_budget.PROBE_AFTER = 10**9
     if args.yield_free == "off":  # the A/B's "before": a yielding prompt gets the share only
@@ -958,7 +966,9 @@ def main(argv: list[str] | None = None) -> None:
                               + ("" if args.budget_probe == "on" else
                                  "; the prefill budget does not probe (--budget-probe off)")
                               + ("" if args.yield_free == "on" else
-                                 "; a yielding paste takes its share only (--yield-free off)"))
+                                 "; a yielding paste takes its share only (--yield-free off)")
+                              + f"; prefill chunks gathered for MLX's attention from "
+                                f"{model_adapter.GATHERED_PREFILL_FROM} tokens on CUDA")
     t0 = time.perf_counter()
 
     def save():

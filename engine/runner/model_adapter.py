@@ -39,6 +39,20 @@ from engine.runner.step_batch import StepBatch, blas_rows
 #: CUDA's kernel path writes K/V with one in-place launch a layer (engine/attention/kv_write.py)
 #: instead of MLX's scatters. A switch for measuring the two (bench/gpu_bench.py --kv-write).
 STORE_IN_PLACE = True
+#: On CUDA's kernel path, a prefill chunk of at least this many tokens attends through MLX's
+#: own attention over its gathered blocks (``dispatch.reference_prefill``) instead of the
+#: paged kernel, and that step's layers write by scatters (a gather is not ordered after an
+#: in-place write). The paged prefill kernel serves ``cuda.PREFILL_TOKENS_PER_BLOCK`` query
+#: tokens x the group's heads per thread block (two tokens for a group of 4) and each block
+#: reads the whole context, so a long chunk reads its context hundreds of times;
+#: scripts/gpu/prefill_attention.py times the two. None: the kernel for every chunk.
+GATHERED_PREFILL_FROM: int | None = 64
+
+
+def gathers_prefill(chunk_tokens: int) -> bool:
+    """Whether a prefill chunk this long attends by MLX's attention over gathered blocks on
+    CUDA's kernel path (``GATHERED_PREFILL_FROM``)."""
+    return GATHERED_PREFILL_FROM is not None and chunk_tokens >= GATHERED_PREFILL_FROM
 
 
 class PagedLayerCache:
@@ -130,9 +144,11 @@ class PagedLayerCache:
         """queries: [T, heads, 1, head_dim] -> [T, heads, 1, head_dim]."""
         b = self.batch
         scale_array = None
+        kernel = self._kernel_fits(queries.shape[1])
+        gathered = bool(kernel and self._on_cuda and gathers_prefill(b.longest_prefill))
         if self.host_layout is None and self.pending_kv is not None:  # CUDA's kernel path
             new_kv, self.pending_kv = self.pending_kv, None
-            if self._kernel_fits(queries.shape[1]):
+            if kernel and not gathered:
                 scale_array = self._store(*new_kv, scale)
             else:  # the reference path's gathers are not ordered after an in-place write
                 self._scatter(*new_kv)
@@ -151,7 +167,7 @@ class PagedLayerCache:
         parts = []
         if b.num_decode:
             q = queries[: b.num_decode]
-            if self._kernel_fits(queries.shape[1]):
+            if kernel:
                 parts.append(attention.paged_decode(
                     q, k_pool, v_pool, b.decode_tables, b.decode_lens, scale, use_kernel=True,
                     **kernel_sc))
@@ -169,7 +185,7 @@ class PagedLayerCache:
             q = mx.swapaxes(q, 0, 2)  # [1, heads, L, head_dim]
             out = attention.paged_prefill(
                 q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale,
-                use_kernel=self._kernel_fits(queries.shape[1]),
+                use_kernel=kernel and not (gathered and gathers_prefill(chunk.length)),
                 block_tables=chunk.block_tables, context_lens=chunk.context_lens, **kernel_sc,
             )
             parts.append(mx.swapaxes(out, 0, 2))

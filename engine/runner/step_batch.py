@@ -131,6 +131,11 @@ class StepBatch:
     decode_groups: tuple[DecodeGroup, ...] = ()
 
     @property
+    def longest_prefill(self) -> int:
+        """The most query tokens of one prefill chunk in the step (0: none)."""
+        return max((c.length for c in self.prefills), default=0)
+
+    @property
     def num_logits(self) -> int:
         """Rows of logits ``PagedModel.forward`` returns (one per ``logit_owners``)."""
         return len(self.logit_owners)
