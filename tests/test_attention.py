@@ -88,3 +88,47 @@ def test_prefill_chunk_is_causal_inside_and_full_over_earlier_blocks(
     k, v = contiguous[0]
     np.testing.assert_allclose(np.array(out)[0], naive_attention(q[0], k, v, scale),
                                atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("chunk,earlier,tiles", [(1, 0, 1), (9, 23, 1), (40, 37, 1),
+                                                  (40, 37, 3), (64, 200, 4)])
+def test_gathered_prefill_masks_the_padded_table_and_matches_naive_attention(
+        heads: int, kv_heads: int, chunk: int, earlier: int, tiles: int, monkeypatch) -> None:
+    """CUDA's path for long chunks (``gathered_prefill``): the table padded past the sequence
+    with other blocks (the engine pads with block 0), nothing sliced to the context, the
+    query tokens in ``tiles`` tiles; equal to the float64 oracle."""
+    from engine.attention import dispatch
+
+    rng = random.Random(chunk * 31 + earlier + heads)
+    head_dim, block_size = 16, 8
+    total = earlier + chunk
+    k_pool, v_pool, tables, contiguous = scattered_pool(rng, [total], block_size, kv_heads,
+                                                        head_dim, spare=9)
+    table = tables[0] + [0, rng.randrange(k_pool.shape[0]), 0][: 1 + len(tables[0]) // 4]
+    width = len(table) * block_size
+    # the tile halves until its scores fit, so this budget gives ``tiles`` tiles
+    monkeypatch.setattr(dispatch, "GATHERED_SCORES", -(-chunk // tiles) * heads * width)
+    q = np.random.default_rng(3).standard_normal((1, heads, chunk, head_dim)).astype(np.float32)
+    out = dispatch.gathered_prefill(mx.array(q), mx.array(k_pool), mx.array(v_pool),
+                                    mx.array(table, dtype=mx.int32), total, 0.3)
+    k, v = contiguous[0]
+    np.testing.assert_allclose(np.array(out)[0], naive_attention(q[0], k, v, 0.3),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_gathered_prefill_on_an_int8_pool_equals_the_reference_path() -> None:
+    """The same K/V bytes and scales: ``gathered_prefill`` and ``reference_prefill`` read an
+    8-bit pool alike (dequantized in the gathering)."""
+    from engine.attention.dispatch import gathered_prefill
+    from engine.kv import int8
+
+    rng = random.Random(5)
+    k_pool, v_pool, tables, _ = scattered_pool(rng, [70], 16, 2, 32, spare=4)
+    kq, ks = int8.quantize(mx.array(k_pool))
+    vq, vs = int8.quantize(mx.array(v_pool))
+    q = mx.array(np.random.default_rng(4).standard_normal((1, 6, 21, 32)).astype(np.float32))
+    table = mx.array(tables[0] + [0], dtype=mx.int32)
+    out = gathered_prefill(q, kq, vq, table, 70, 0.25, k_scales=ks, v_scales=vs)
+    ref = reference_prefill(q, kq, vq, table, 70, 0.25, k_scales=ks, v_scales=vs)
+    np.testing.assert_allclose(np.array(out), np.array(ref), atol=2e-5, rtol=1e-4)

@@ -136,6 +136,57 @@ def reference_prefill(
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
+#: Most attention scores (query rows x heads x table slots) one ``gathered_prefill`` product
+#: holds at a time, in float32: 2**27 is 512 MiB. A chunk whose scores would exceed it
+#: attends in tiles of query tokens.
+GATHERED_SCORES = 1 << 27
+
+
+def gathered_prefill(
+    q: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_table: mx.array,
+    context_len: int,
+    scale: float,
+    k_scales: mx.array | None = None,
+    v_scales: mx.array | None = None,
+) -> mx.array:
+    """``reference_prefill``'s attention on shapes that do not follow the context length.
+
+    The table's whole (bucketed) width is gathered and the slots past each query's position
+    are masked, instead of slicing the gathered K/V to ``context_len``: every chunk of a
+    prompt has its own context length, and on CUDA a fused attention builds a cuDNN graph
+    for each new shape it sees (about 60 ms each on an H100, scripts/gpu/prefill_attention.py).
+    Scores and softmax in float32, matrix products in q's dtype, the query tokens in tiles of
+    at most ``GATHERED_SCORES`` scores. q [1, H, L, D] -> [1, H, L, D].
+    """
+    _, heads, length, dim = q.shape
+    k = gather_kv(k_pool, k_scales, block_table[None], q.dtype)  # [1, kvh, T, D]
+    v = gather_kv(v_pool, v_scales, block_table[None], q.dtype)
+    kv_heads, width = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    keys_t = mx.swapaxes(k, -1, -2)  # [1, kvh, D, T]
+    q5 = (q * scale).reshape(1, kv_heads, group, length, dim)
+    tile = length
+    while tile > 1 and tile * heads * width > GATHERED_SCORES:
+        tile = -(-tile // 2)
+    slots = mx.arange(width)[None, :]
+    outs = []
+    for start in range(0, length, tile):
+        rows = min(tile, length - start)
+        qt = q5[:, :, :, start:start + rows].reshape(1, kv_heads, group * rows, dim)
+        scores = (qt @ keys_t).astype(mx.float32).reshape(1, kv_heads, group, rows, width)
+        last = context_len - length + start + mx.arange(rows)  # each query's own position
+        visible = slots <= last[:, None]  # [rows, T]: causal, and nothing past the context
+        scores = mx.where(visible, scores, mx.array(-mx.inf, dtype=mx.float32))
+        probs = mx.softmax(scores, axis=-1).astype(q.dtype)
+        out = probs.reshape(1, kv_heads, group * rows, width) @ v  # [1, kvh, G*rows, D]
+        outs.append(out.reshape(1, kv_heads, group, rows, dim))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.reshape(1, heads, length, dim)
+
+
 def kernel_path() -> str | None:
     """The paged-attention kernel this backend runs ("cuda-paged", "metal-kernel"), or None
     where only the reference path runs (the CPU backend)."""

@@ -39,13 +39,13 @@ from engine.runner.step_batch import StepBatch, blas_rows
 #: CUDA's kernel path writes K/V with one in-place launch a layer (engine/attention/kv_write.py)
 #: instead of MLX's scatters. A switch for measuring the two (bench/gpu_bench.py --kv-write).
 STORE_IN_PLACE = True
-#: On CUDA's kernel path, a prefill chunk of at least this many tokens attends through MLX's
-#: own attention over its gathered blocks (``dispatch.reference_prefill``) instead of the
+#: On CUDA's kernel path, a prefill chunk of at least this many tokens attends over its
+#: gathered blocks with MLX's matrix products (``dispatch.gathered_prefill``) instead of the
 #: paged kernel, and that step's layers write by scatters (a gather is not ordered after an
 #: in-place write). The paged prefill kernel serves ``cuda.PREFILL_TOKENS_PER_BLOCK`` query
 #: tokens x the group's heads per thread block (two tokens for a group of 4) and each block
 #: reads the whole context, so a long chunk reads its context hundreds of times;
-#: scripts/gpu/prefill_attention.py times the two. None: the kernel for every chunk.
+#: scripts/gpu/prefill_attention.py times them. None: the kernel for every chunk.
 GATHERED_PREFILL_FROM: int | None = 64
 
 
@@ -183,11 +183,15 @@ class PagedLayerCache:
         for chunk in b.prefills:
             q = queries[chunk.row_start : chunk.row_start + chunk.length]
             q = mx.swapaxes(q, 0, 2)  # [1, heads, L, head_dim]
-            out = attention.paged_prefill(
-                q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale,
-                use_kernel=kernel and not (gathered and gathers_prefill(chunk.length)),
-                block_tables=chunk.block_tables, context_lens=chunk.context_lens, **kernel_sc,
-            )
+            if gathered and gathers_prefill(chunk.length):
+                out = attention.gathered_prefill(q, k_pool, v_pool, chunk.block_table,
+                                                 chunk.context_len, scale, **sc)
+            else:
+                out = attention.paged_prefill(
+                    q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale,
+                    use_kernel=kernel, block_tables=chunk.block_tables,
+                    context_lens=chunk.context_lens, **kernel_sc,
+                )
             parts.append(mx.swapaxes(out, 0, 2))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 

@@ -12,6 +12,9 @@ blocks of 16 tokens scattered over the pool. Variants, interleaved repeat by rep
   times the group's heads, at most ``MAX_ROWS`` rows, and reads the whole context for them);
 * ``reference``: ``paged_prefill(use_kernel=False)``, the blocks gathered into a contiguous
   K/V and ``mx.fast.scaled_dot_product_attention`` (causal);
+* ``gathered``: ``dispatch.gathered_prefill``, the table's whole bucketed width gathered,
+  masked, matrix products and a float32 softmax (the engine's path for chunks of
+  ``GATHERED_PREFILL_FROM`` tokens or more on CUDA);
 * ``sdpa``: MLX's attention alone on K/V already contiguous (what the gather adds is the
   difference).
 
@@ -36,7 +39,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.gpu_bench import BLOCK_SIZE, SHAPES  # noqa: E402
-from engine.attention.dispatch import gather_blocks, paged_prefill  # noqa: E402
+from engine.attention.dispatch import (  # noqa: E402
+    gather_blocks,
+    gathered_prefill,
+    paged_prefill,
+)
 
 CASES = [(64, 1024), (64, 8192), (128, 4096), (128, 8192), (256, 1024), (256, 4096),
          (256, 8192), (1024, 8192), (2048, 2048), (2048, 8192)]
@@ -50,6 +57,8 @@ def case(shape: dict, length: int, context: int, repeats: int) -> dict:
     rng = np.random.default_rng(length + context)
     table = mx.array(rng.permutation(pool_blocks)[:nb].astype(np.int32))
     tables, lens = table.reshape(1, -1), mx.array([context], dtype=mx.int32)
+    # the engine's table: padded with block 0 to a bucket of 1.5x at most
+    padded = mx.concatenate([table, mx.zeros((nb // 3,), dtype=mx.int32)])
     scale = d**-0.5
     per_layer = []
     for _ in range(layers):
@@ -67,6 +76,8 @@ def case(shape: dict, length: int, context: int, repeats: int) -> dict:
                            for q, kp, vp, _, _ in per_layer],
         "reference": lambda: [paged_prefill(q, kp, vp, table, context, scale, use_kernel=False)
                               for q, kp, vp, _, _ in per_layer],
+        "gathered": lambda: [gathered_prefill(q, kp, vp, padded, context, scale)
+                             for q, kp, vp, _, _ in per_layer],
         "sdpa": lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
                                                               mask="causal")
                          for q, _, _, k, v in per_layer],
@@ -87,16 +98,22 @@ def case(shape: dict, length: int, context: int, repeats: int) -> dict:
             times[name].append((time.perf_counter() - t0) * 1e3)
     # A context length not seen before (every chunk of a prompt has its own): the first
     # evaluation, which pays for whatever MLX builds per shape (graphs, plans).
-    first: dict[str, list[float]] = {"kernel": [], "reference": []}
+    first: dict[str, list[float]] = {"kernel": [], "reference": [], "gathered": []}
     for i in range(1, 4):
         ctx = context - 3 * i
-        for name, use_kernel in (("kernel", True), ("reference", False)):
+        for name in first:
             t0 = time.perf_counter()
-            mx.eval([paged_prefill(q, kp, vp, table, ctx, scale, use_kernel=use_kernel,
-                                   block_tables=tables if use_kernel else None,
-                                   context_lens=mx.array([ctx], dtype=mx.int32)
-                                   if use_kernel else None)
-                     for q, kp, vp, _, _ in per_layer])
+            if name == "gathered":
+                outs = [gathered_prefill(q, kp, vp, padded, ctx, scale)
+                        for q, kp, vp, _, _ in per_layer]
+            else:
+                kernel = name == "kernel"
+                outs = [paged_prefill(q, kp, vp, table, ctx, scale, use_kernel=kernel,
+                                      block_tables=tables if kernel else None,
+                                      context_lens=mx.array([ctx], dtype=mx.int32)
+                                      if kernel else None)
+                        for q, kp, vp, _, _ in per_layer]
+            mx.eval(outs)
             mx.synchronize()
             first[name].append((time.perf_counter() - t0) * 1e3)
     row = dict(length=length, context=context, layers=layers, max_abs_err=err,
@@ -105,6 +122,7 @@ def case(shape: dict, length: int, context: int, repeats: int) -> dict:
         row[f"{name}_ms"] = statistics.median(values)
         row[f"{name}_spread"] = [min(values), max(values)]
     row["kernel_over_reference"] = row["kernel_ms"] / row["reference_ms"]
+    row["kernel_over_gathered"] = row["kernel_ms"] / row["gathered_ms"]
     return row
 
 
@@ -120,12 +138,13 @@ def main() -> None:
         for length, context in CASES:
             row = dict(shape=name, **case(SHAPES[name], length, context, args.repeats))
             rows.append(row)
+            new = row["new_context_ms"]
             print(f"{name} L={length:5d} ctx={context:5d}: kernel {row['kernel_ms']:8.3f} ms, "
-                  f"reference {row['reference_ms']:8.3f} ms, sdpa {row['sdpa_ms']:8.3f} ms, "
-                  f"kernel/reference {row['kernel_over_reference']:5.2f}x, "
-                  f"new context: kernel {row['new_context_ms']['kernel']:.3f} ms, "
-                  f"reference {row['new_context_ms']['reference']:.3f} ms; "
-                  f"err {row['max_abs_err']}", flush=True)
+                  f"gathered {row['gathered_ms']:7.3f} ms, reference {row['reference_ms']:7.3f}"
+                  f" ms, sdpa {row['sdpa_ms']:7.3f} ms, kernel/gathered "
+                  f"{row['kernel_over_gathered']:5.2f}x; new context: kernel "
+                  f"{new['kernel']:.1f}, gathered {new['gathered']:.1f}, reference "
+                  f"{new['reference']:.1f} ms; err {row['max_abs_err']}", flush=True)
             mx.clear_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
