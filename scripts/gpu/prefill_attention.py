@@ -1,7 +1,8 @@
 """Issue #24 on the GPU: what a prefill chunk's attention costs, the paged kernel against
 MLX's own attention over the gathered blocks.
 
-    python3 scripts/gpu/prefill_attention.py [--shapes 1B,8B] [--repeats 9] [--json F]
+    python3 scripts/gpu/prefill_attention.py [--shapes 1B,8B] [--repeats 9] [--cases L:CTX,..]
+                                             [--json F]
 
 One chunk of ``L`` query tokens of one sequence whose last token sits at ``context - 1``
 (causal inside the chunk, full over the earlier tokens), every layer of the shape, bf16,
@@ -131,11 +132,15 @@ def main() -> None:
     parser.add_argument("--shapes", default="1B,8B")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--cases", default=None, metavar="L:CTX,...",
+                        help="chunk length:context pairs (default: a fixed list of ten)")
     args = parser.parse_args()
+    cases = CASES if args.cases is None else [tuple(int(x) for x in pair.split(":"))
+                                              for pair in args.cases.split(",")]
     print(f"device {mx.default_device()}, mlx {mx.__version__}", flush=True)
     rows = []
     for name in args.shapes.split(","):
-        for length, context in CASES:
+        for length, context in cases:
             row = dict(shape=name, **case(SHAPES[name], length, context, args.repeats))
             rows.append(row)
             new = row["new_context_ms"]
