@@ -45,8 +45,9 @@ STORE_IN_PLACE = True
 #: in-place write). The paged prefill kernel serves ``cuda.PREFILL_TOKENS_PER_BLOCK`` query
 #: tokens x the group's heads per thread block (two tokens for a group of 4) and each block
 #: reads the whole context, so a long chunk reads its context hundreds of times;
-#: scripts/gpu/prefill_attention.py times them. None: the kernel for every chunk.
-GATHERED_PREFILL_FROM: int | None = 64
+#: scripts/gpu/prefill_attention.py times them. None: the kernel for every chunk, the default
+#: until the GPU check has run with it (bench/gpu_bench.py --gathered-prefill N turns it on).
+GATHERED_PREFILL_FROM: int | None = None
 
 
 def gathers_prefill(chunk_tokens: int) -> bool:
