@@ -158,16 +158,19 @@ def gathered_prefill(
     are masked, instead of slicing the gathered K/V to ``context_len``: every chunk of a
     prompt has its own context length, and on CUDA a fused attention builds a cuDNN graph
     for each new shape it sees (about 60 ms each on an H100, scripts/gpu/prefill_attention.py).
-    Scores and softmax in float32, matrix products in q's dtype, the query tokens in tiles of
-    at most ``GATHERED_SCORES`` scores. q [1, H, L, D] -> [1, H, L, D].
+    The scores are computed and kept in float32 (from q and K widened, which is exact), as a
+    fused attention keeps them in its accumulators; the weights meet V in q's dtype. The
+    query tokens go in tiles of at most ``GATHERED_SCORES`` scores. q [1, H, L, D] -> same.
     """
     _, heads, length, dim = q.shape
-    k = gather_kv(k_pool, k_scales, block_table[None], q.dtype)  # [1, kvh, T, D]
-    v = gather_kv(v_pool, v_scales, block_table[None], q.dtype)
+    table = block_table[None]
+    k = (gather_blocks(k_pool, table, mx.float32) if k_scales is None  # [1, kvh, T, D]
+         else gather_kv(k_pool, k_scales, table, mx.float32))
+    v = gather_kv(v_pool, v_scales, table, q.dtype)
     kv_heads, width = k.shape[1], k.shape[2]
     group = heads // kv_heads
     keys_t = mx.swapaxes(k, -1, -2)  # [1, kvh, D, T]
-    q5 = (q * scale).reshape(1, kv_heads, group, length, dim)
+    q5 = (q.astype(mx.float32) * scale).reshape(1, kv_heads, group, length, dim)
     tile = length
     while tile > 1 and tile * heads * width > GATHERED_SCORES:
         tile = -(-tile // 2)
@@ -176,7 +179,7 @@ def gathered_prefill(
     for start in range(0, length, tile):
         rows = min(tile, length - start)
         qt = q5[:, :, :, start:start + rows].reshape(1, kv_heads, group * rows, dim)
-        scores = (qt @ keys_t).astype(mx.float32).reshape(1, kv_heads, group, rows, width)
+        scores = (qt @ keys_t).reshape(1, kv_heads, group, rows, width)
         last = context_len - length + start + mx.arange(rows)  # each query's own position
         visible = slots <= last[:, None]  # [rows, T]: causal, and nothing past the context
         scores = mx.where(visible, scores, mx.array(-mx.inf, dtype=mx.float32))

@@ -51,8 +51,8 @@ GATHERED_PREFILL_FROM: int | None = None
 
 
 def gathers_prefill(chunk_tokens: int) -> bool:
-    """Whether a prefill chunk this long attends by MLX's attention over gathered blocks on
-    CUDA's kernel path (``GATHERED_PREFILL_FROM``)."""
+    """Whether a prefill chunk this long attends over its gathered blocks
+    (``dispatch.gathered_prefill``) on CUDA's kernel path (``GATHERED_PREFILL_FROM``)."""
     return GATHERED_PREFILL_FROM is not None and chunk_tokens >= GATHERED_PREFILL_FROM
 
 
