@@ -14,7 +14,7 @@ blocks of 16 tokens scattered over the pool. Variants, interleaved repeat by rep
 * ``reference``: ``paged_prefill(use_kernel=False)``, the blocks gathered into a contiguous
   K/V and ``mx.fast.scaled_dot_product_attention`` (causal);
 * ``gathered``: ``dispatch.gathered_prefill``, the table's whole bucketed width gathered,
-  masked, matrix products and a float32 softmax (the engine's path for chunks of
+  masked, matrix products, scores and softmax in float32 (the engine's path for chunks of
   ``GATHERED_PREFILL_FROM`` tokens or more on CUDA);
 * ``sdpa``: MLX's attention alone on K/V already contiguous (what the gather adds is the
   difference).
