@@ -594,7 +594,8 @@ class BudgetTrace:
 
 
 def paste_scenario(eng, prompts, repeats: int, short_tokens: int,
-                   app_priorities: bool = True) -> dict:
+                   app_priorities: bool = True, fresh_budget: bool = False,
+                   fresh_sessions: bool = False) -> dict:
     """Chats streaming when a long paste arrives, then a short question 0.2 s later, on
     ``eng``; the same scenario without the paste is the short chat's "alone"; the paste alone
     runs on the idle engine. ``prompts(kind, index)`` gives fresh prompts ("stream", "paste",
@@ -604,7 +605,12 @@ def paste_scenario(eng, prompts, repeats: int, short_tokens: int,
     (app/bridges/engine_bridge.py ``set_focus``): the streaming chats sit in unfocused panes
     (BACKGROUND), the paste is sent in the focused pane (INTERACTIVE), and the short question
     is typed in another pane, which takes the focus (it goes INTERACTIVE, the paste's chat
-    BACKGROUND). Without, every request is NORMAL (an API client that says nothing)."""
+    BACKGROUND). Without, every request is NORMAL (an API client that says nothing).
+
+    Two switches for the first repeat's slowness (bench/results/gpu.md, session 25), each a
+    suspect state: ``fresh_budget`` gives the prefill budget its initial state before each
+    run (the engine is idle then: the previous run's requests have all finished), and
+    ``fresh_sessions`` gives every run session ids of its own."""
     from engine import Priority
 
     focus, aside = ((Priority.INTERACTIVE, Priority.BACKGROUND) if app_priorities
@@ -614,9 +620,13 @@ def paste_scenario(eng, prompts, repeats: int, short_tokens: int,
     for r in range(repeats):
         for with_paste in (True, False):
             run = 2 * r + int(with_paste)
+            tag = f"-{run}" if fresh_sessions else ""
+            if fresh_budget:
+                budget = eng.runtime.stepper.prefill
+                budget.__init__(budget.max_chunk, budget.min_chunk, budget.target, budget.floor)
             stream_handles = [
                 eng.submit(prompt_tokens=p, params=engine_params("app-sampling", 100000),
-                           session_id=f"stream-{i}", priority=aside)
+                           session_id=f"stream-{i}{tag}", priority=aside)
                 for i, p in enumerate(prompts("streams", run))]
             lines = [Timeline(h) for h in stream_handles]
             for line in lines:
@@ -628,14 +638,14 @@ def paste_scenario(eng, prompts, repeats: int, short_tokens: int,
             if with_paste:
                 paste_line = Timeline(eng.submit(
                     prompt_tokens=prompts("paste", run), params=engine_params("app-sampling", 4),
-                    session_id="paste", priority=focus))
+                    session_id=f"paste{tag}", priority=focus))
             time.sleep(0.2)  # the user types a short question while the paste is read
             t_short = time.perf_counter()
-            if with_paste:
-                eng.set_priority("paste", aside)  # the short question's pane takes the focus
+            if with_paste:  # the short question's pane takes the focus
+                eng.set_priority(f"paste{tag}", aside)
             short_line = Timeline(eng.submit(
                 prompt_tokens=prompts("short", run), params=engine_params("greedy", short_tokens),
-                session_id="short", priority=focus))
+                session_id=f"short{tag}", priority=focus))
             short_line.thread.join()
             if paste_line is not None:
                 paste_line.thread.join()
@@ -670,7 +680,8 @@ def paste_scenario(eng, prompts, repeats: int, short_tokens: int,
 
 def paste(shape: dict, streams: int, stream_prompt: int, paste_len: int, short_len: int,
           short_tokens: int, vocab: int, kv_mib: float, repeats: int,
-          prefill_target: float | None = None, warm_scenario: bool = False) -> dict:
+          prefill_target: float | None = None, warm_scenario: bool = False,
+          fresh_budget: bool = False, fresh_sessions: bool = False) -> dict:
     """The long-paste scenario on a random-weight model, with the app's engine defaults
     (256-token chunks, adaptive prefill budget); ``prefill_target``: another step target
     than the engine's (``--prefill-target``, the trade bench/results/paste.md measured on
@@ -700,8 +711,10 @@ def paste(shape: dict, streams: int, stream_prompt: int, paste_len: int, short_l
         engine_generate(eng, prompts_for(1, paste_len, vocab, seed=59), 2, "app-sampling")
         if warm_scenario:  # the whole scenario once, unrecorded, on prompts of its own
             paste_scenario(eng, lambda kind, run: prompts(kind, run + 500), 1, short_tokens)
-        result = paste_scenario(eng, prompts, repeats, short_tokens)
+        result = paste_scenario(eng, prompts, repeats, short_tokens,
+                                fresh_budget=fresh_budget, fresh_sessions=fresh_sessions)
         result["warm_scenario"] = warm_scenario
+        result["fresh_budget"], result["fresh_sessions"] = fresh_budget, fresh_sessions
         result["prefill_target"] = eng.config.prefill_target
         return result
     finally:
@@ -913,6 +926,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--yield-free", choices=("on", "off"), default="on",
                         help="a yielding paste takes the step's free tokens where they are "
                              "more than its share (the engine's) or only the share (before)")
+    parser.add_argument("--fresh-budget", action="store_true",
+                        help="the paste part: the prefill budget's initial state before each "
+                             "run (a suspect of the first repeat's slowness)")
+    parser.add_argument("--fresh-sessions", action="store_true",
+                        help="the paste part: session ids of its own for every run")
     parser.add_argument("--gathered-prefill", default=None, metavar="N|off",
                         help="on CUDA's kernel path, prefill chunks of N tokens or more attend "
                              "by MLX's attention over gathered blocks, off: the paged kernel "
@@ -1003,7 +1021,9 @@ def main(argv: list[str] | None = None) -> None:
         save()
     if "paste" in parts:
         results["paste"] = paste(*paste_args, prefill_target=args.prefill_target,
-                                 warm_scenario=args.paste_warmup)
+                                 warm_scenario=args.paste_warmup,
+                                 fresh_budget=args.fresh_budget,
+                                 fresh_sessions=args.fresh_sessions)
         print("paste", json.dumps(results["paste"]), flush=True)
         save()
     results["elapsed_s"] = time.perf_counter() - t0

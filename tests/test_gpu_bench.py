@@ -59,11 +59,13 @@ def test_the_gpu_bench_runs_end_to_end_at_quick_sizes(tmp_path) -> None:
     out = tmp_path / "gpu.md"
     raw = tmp_path / "gpu.json"
     gpu_bench.main(["--quick", "--parts", "throughput,paste", "--repeats", "1",
-                    "--paste-warmup", "--out", str(out), "--json", str(raw)])
+                    "--paste-warmup", "--fresh-budget", "--fresh-sessions",
+                    "--out", str(out), "--json", str(raw)])
     text = out.read_text()
     assert "| tiny | 4 | app-sampling |" in text
     assert "short chat's first token" in text
     paste = json.loads(raw.read_text())["paste"]
     assert paste["warm_scenario"] and len(paste["runs"]["traces"]) == 1  # each repeat's trace
+    assert paste["fresh_budget"] and paste["fresh_sessions"]
     assert any(e[0] == "budget" for e in paste["runs"]["trace"])
     assert loading.load_model is real_load, "the bench left its in-memory loader behind"
