@@ -34,6 +34,15 @@ class Mutant:
 
 
 MUTANTS = (
+    Mutant("the gathered prefill lets a query see its own slot's successor",
+           "engine/attention/dispatch.py",
+           (("visible = slots <= last[:, None]", "visible = slots <= last[:, None] + 1"),),
+           ("tests/test_attention.py",)),
+    Mutant("the gathered prefill's later tiles forget where they start",
+           "engine/attention/dispatch.py",
+           (("last = context_len - length + start + mx.arange(rows)",
+             "last = context_len - length + mx.arange(rows)"),),
+           ("tests/test_attention.py",)),
     Mutant("the sampler ignores temperature", "engine/runner/sampling.py",
            (("scaled.append(logprobs * (1.0 / temperature))", "scaled.append(logprobs)"),),
            ("tests/test_sampling.py",)),
