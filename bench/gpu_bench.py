@@ -933,8 +933,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the paste part: session ids of its own for every run")
     parser.add_argument("--gathered-prefill", default=None, metavar="N|off",
                         help="on CUDA's kernel path, prefill chunks of N tokens or more attend "
-                             "by MLX's attention over gathered blocks, off: the paged kernel "
-                             "for every chunk (default: the engine's, "
+                             "over their gathered blocks (dispatch.gathered_prefill), off: the "
+                             "paged kernel for every chunk (default: the engine's, "
                              "model_adapter.GATHERED_PREFILL_FROM)")
     args = parser.parse_args(argv)
     from engine.runner import model_adapter
@@ -985,8 +985,10 @@ def main(argv: list[str] | None = None) -> None:
                                  "; the prefill budget does not probe (--budget-probe off)")
                               + ("" if args.yield_free == "on" else
                                  "; a yielding paste takes its share only (--yield-free off)")
-                              + f"; prefill chunks gathered for MLX's attention from "
-                                f"{model_adapter.GATHERED_PREFILL_FROM} tokens on CUDA")
+                              + ("" if model_adapter.GATHERED_PREFILL_FROM is None else
+                                 f"; prefill chunks of {model_adapter.GATHERED_PREFILL_FROM} "
+                                 "tokens or more attend over their gathered blocks "
+                                 "(--gathered-prefill)"))
     t0 = time.perf_counter()
 
     def save():

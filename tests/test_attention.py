@@ -91,13 +91,15 @@ def test_prefill_chunk_is_causal_inside_and_full_over_earlier_blocks(
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
-@pytest.mark.parametrize("chunk,earlier,tiles", [(1, 0, 1), (9, 23, 1), (40, 37, 1),
-                                                  (40, 37, 3), (64, 200, 4)])
+@pytest.mark.parametrize("chunk,earlier,most_rows", [(1, 0, 1), (9, 23, 9), (40, 37, 40),
+                                                      (40, 37, 14), (64, 200, 16)])
 def test_gathered_prefill_masks_the_padded_table_and_matches_naive_attention(
-        heads: int, kv_heads: int, chunk: int, earlier: int, tiles: int, monkeypatch) -> None:
+        heads: int, kv_heads: int, chunk: int, earlier: int, most_rows: int,
+        monkeypatch) -> None:
     """CUDA's path for long chunks (``gathered_prefill``): the table padded past the sequence
     with other blocks (the engine pads with block 0), nothing sliced to the context, the
-    query tokens in ``tiles`` tiles; equal to the float64 oracle."""
+    query tokens in tiles of at most ``most_rows`` (40 tokens: 4 tiles of 10; 64: 4 of 16);
+    equal to the float64 oracle."""
     from engine.attention import dispatch
 
     rng = random.Random(chunk * 31 + earlier + heads)
@@ -107,8 +109,8 @@ def test_gathered_prefill_masks_the_padded_table_and_matches_naive_attention(
                                                         head_dim, spare=9)
     table = tables[0] + [0, rng.randrange(k_pool.shape[0]), 0][: 1 + len(tables[0]) // 4]
     width = len(table) * block_size
-    # the tile halves until its scores fit, so this budget gives ``tiles`` tiles
-    monkeypatch.setattr(dispatch, "GATHERED_SCORES", -(-chunk // tiles) * heads * width)
+    # the tile halves from the whole chunk until its scores fit this budget
+    monkeypatch.setattr(dispatch, "GATHERED_SCORES", most_rows * heads * width)
     q = np.random.default_rng(3).standard_normal((1, heads, chunk, head_dim)).astype(np.float32)
     out = dispatch.gathered_prefill(mx.array(q), mx.array(k_pool), mx.array(v_pool),
                                     mx.array(table, dtype=mx.int32), total, 0.3)
