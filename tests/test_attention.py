@@ -134,3 +134,36 @@ def test_gathered_prefill_on_an_int8_pool_equals_the_reference_path() -> None:
     out = gathered_prefill(q, kq, vq, table, 70, 0.25, k_scales=ks, v_scales=vs)
     ref = reference_prefill(q, kq, vq, table, 70, 0.25, k_scales=ks, v_scales=vs)
     np.testing.assert_allclose(np.array(out), np.array(ref), atol=2e-5, rtol=1e-4)
+
+
+def test_gathered_prefill_reads_the_steps_own_chunk_tables() -> None:
+    """The tables ``build_step_batch`` gives its prompt chunks (padded with block 0 to a
+    bucket of width, block 0 holding other data) through ``gathered_prefill`` equal the
+    reference path sliced to each chunk's context, chunk by chunk, beside decode rows."""
+    from engine.attention.dispatch import gathered_prefill
+    from engine.runner.step_batch import build_step_batch
+    from engine.sched.work import SequenceWork
+
+    block_size, kv_heads, head_dim, heads = 8, 2, 16, 6
+    rng = np.random.default_rng(7)
+    k_pool = mx.array(rng.standard_normal((64, block_size, kv_heads, head_dim)), mx.float32)
+    v_pool = mx.array(rng.standard_normal(k_pool.shape), mx.float32)
+
+    def work(start: int, length: int, first_block: int) -> SequenceWork:
+        total = start + length
+        blocks = list(range(first_block, first_block + -(-total // block_size)))
+        slots = [(blocks[p // block_size], p % block_size) for p in range(start, total)]
+        return SequenceWork([1] * length, start, blocks, slots)
+
+    # a decode row, then chunks over 0, 37 and 71 earlier tokens (tables of 5, 9 and 13
+    # blocks: buckets 6, 12 and 16)
+    works = [work(20, 1, 1), work(0, 40, 5), work(37, 29, 12), work(71, 33, 30)]
+    batch = build_step_batch(works)
+    assert [len(c.block_table.tolist()) for c in batch.prefills] == [6, 12, 16]
+    for chunk, w in zip(batch.prefills, works[1:], strict=True):
+        assert chunk.context_len == w.start + len(w.tokens)
+        q = mx.array(rng.standard_normal((1, heads, chunk.length, head_dim)), mx.float32)
+        got = gathered_prefill(q, k_pool, v_pool, chunk.block_table, chunk.context_len, 0.25)
+        want = reference_prefill(q, k_pool, v_pool, mx.array(list(w.blocks), dtype=mx.int32),
+                                 chunk.context_len, 0.25)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
