@@ -57,7 +57,7 @@ def case(shape: dict, length: int, context: int, repeats: int) -> dict:
     pool_blocks = nb + 64
     rng = np.random.default_rng(length + context)
     table = mx.array(rng.permutation(pool_blocks)[:nb].astype(np.int32))
-    tables, lens = table.reshape(1, -1), mx.array([context], dtype=mx.int32)
+    tables = table.reshape(1, -1)
     # the engine's table: padded with block 0 to a bucket of 1.5x at most
     padded = mx.concatenate([table, mx.zeros((nb // 3,), dtype=mx.int32)])
     scale = d**-0.5
@@ -71,18 +71,25 @@ def case(shape: dict, length: int, context: int, repeats: int) -> dict:
         per_layer.append((q, kp, vp, mx.contiguous(k), mx.contiguous(v)))
     mx.eval(per_layer)
 
-    variants = {
-        "kernel": lambda: [paged_prefill(q, kp, vp, table, context, scale, use_kernel=True,
-                                         block_tables=tables, context_lens=lens)
-                           for q, kp, vp, _, _ in per_layer],
-        "reference": lambda: [paged_prefill(q, kp, vp, table, context, scale, use_kernel=False)
-                              for q, kp, vp, _, _ in per_layer],
-        "gathered": lambda: [gathered_prefill(q, kp, vp, padded, context, scale)
-                             for q, kp, vp, _, _ in per_layer],
-        "sdpa": lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
-                                                              mask="causal")
-                         for q, _, _, k, v in per_layer],
+    def paged(use_kernel: bool):
+        def run(ctx: int) -> list[mx.array]:
+            lens = mx.array([ctx], dtype=mx.int32) if use_kernel else None
+            return [paged_prefill(q, kp, vp, table, ctx, scale, use_kernel=use_kernel,
+                                  block_tables=tables if use_kernel else None, context_lens=lens)
+                    for q, kp, vp, _, _ in per_layer]
+        return run
+
+    # each paged variant at a context length given (the sdpa row's K/V are cut to ``context``)
+    paged_variants = {
+        "kernel": paged(True),
+        "reference": paged(False),
+        "gathered": lambda ctx: [gathered_prefill(q, kp, vp, padded, ctx, scale)
+                                 for q, kp, vp, _, _ in per_layer],
     }
+    variants = {name: (lambda run=run: run(context)) for name, run in paged_variants.items()}
+    variants["sdpa"] = lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
+                                                                      mask="causal")
+                                for q, _, _, k, v in per_layer]
     ref = variants["reference"]()[0].astype(mx.float32)
     err = {name: float(mx.max(mx.abs(fn()[0].astype(mx.float32) - ref)))
            for name, fn in variants.items() if name != "reference"}
@@ -99,22 +106,11 @@ def case(shape: dict, length: int, context: int, repeats: int) -> dict:
             times[name].append((time.perf_counter() - t0) * 1e3)
     # A context length not seen before (every chunk of a prompt has its own): the first
     # evaluation, which pays for whatever MLX builds per shape (graphs, plans).
-    first: dict[str, list[float]] = {"kernel": [], "reference": [], "gathered": []}
+    first: dict[str, list[float]] = {name: [] for name in paged_variants}
     for i in range(1, 4):
-        ctx = context - 3 * i
-        for name in first:
+        for name, run in paged_variants.items():
             t0 = time.perf_counter()
-            if name == "gathered":
-                outs = [gathered_prefill(q, kp, vp, padded, ctx, scale)
-                        for q, kp, vp, _, _ in per_layer]
-            else:
-                kernel = name == "kernel"
-                outs = [paged_prefill(q, kp, vp, table, ctx, scale, use_kernel=kernel,
-                                      block_tables=tables if kernel else None,
-                                      context_lens=mx.array([ctx], dtype=mx.int32)
-                                      if kernel else None)
-                        for q, kp, vp, _, _ in per_layer]
-            mx.eval(outs)
+            mx.eval(run(context - 3 * i))
             mx.synchronize()
             first[name].append((time.perf_counter() - t0) * 1e3)
     row = dict(length=length, context=context, layers=layers, max_abs_err=err,
