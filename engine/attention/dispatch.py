@@ -136,9 +136,10 @@ def reference_prefill(
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
-#: Most attention scores (query rows x heads x table slots) one ``gathered_prefill`` product
-#: holds at a time, in float32: 2**27 is 512 MiB. A chunk whose scores would exceed it
-#: attends in tiles of query tokens.
+#: Most attention scores (query rows x heads x table slots) one ``gathered_prefill`` call
+#: attends at a time: 2**27 is 512 MiB in float32 where the backend's attention materializes
+#: them (MLX's unfused path; cuDNN's does not). A chunk past it attends in tiles of query
+#: tokens, whose sizes follow (length, heads, width) alone, so they too repeat.
 GATHERED_SCORES = 1 << 27
 
 
@@ -155,22 +156,19 @@ def gathered_prefill(
     """``reference_prefill``'s attention on shapes that do not follow the context length.
 
     The table's whole (bucketed) width is gathered and the slots past each query's position
-    are masked, instead of slicing the gathered K/V to ``context_len``: every chunk of a
-    prompt has its own context length, and on CUDA a fused attention builds a cuDNN graph
-    for each new shape it sees (about 60 ms each on an H100, scripts/gpu/prefill_attention.py).
-    The scores are computed and kept in float32 (from q and K widened, which is exact), as a
-    fused attention keeps them in its accumulators; the weights meet V in q's dtype. The
-    query tokens go in tiles of at most ``GATHERED_SCORES`` scores. q [1, H, L, D] -> same.
+    are masked (a boolean mask array), instead of slicing the gathered K/V to
+    ``context_len``: every chunk of a prompt has its own context length, and on CUDA MLX's
+    fused attention builds a cuDNN graph for each new shape it sees (80-90 ms on an H100).
+    Keyed by the bucket instead, a graph is built once per (chunk, width) bucket and reused:
+    on an H100 (1B shape, 16 layers) a 256-token chunk at 8,192 tokens of context attends
+    in 6.5 ms this way against 17.4 ms in the paged prefill kernel and 15.8 ms with matrix
+    products (bench/results/gpu.md, session 26). q [1, H, L, D] -> same.
     """
-    _, heads, length, dim = q.shape
+    _, heads, length, _ = q.shape
     table = block_table[None]
-    k = (gather_blocks(k_pool, table, mx.float32) if k_scales is None  # [1, kvh, T, D]
-         else gather_kv(k_pool, k_scales, table, mx.float32))
+    k = gather_kv(k_pool, k_scales, table, q.dtype)  # [1, kvh, T, D]
     v = gather_kv(v_pool, v_scales, table, q.dtype)
-    kv_heads, width = k.shape[1], k.shape[2]
-    group = heads // kv_heads
-    keys_t = mx.swapaxes(k, -1, -2)  # [1, kvh, D, T]
-    q5 = (q.astype(mx.float32) * scale).reshape(1, kv_heads, group, length, dim)
+    width = k.shape[2]
     tile = length
     while tile > 1 and tile * heads * width > GATHERED_SCORES:
         tile = -(-tile // 2)
@@ -178,16 +176,11 @@ def gathered_prefill(
     outs = []
     for start in range(0, length, tile):
         rows = min(tile, length - start)
-        qt = q5[:, :, :, start:start + rows].reshape(1, kv_heads, group * rows, dim)
-        scores = (qt @ keys_t).reshape(1, kv_heads, group, rows, width)
         last = context_len - length + start + mx.arange(rows)  # each query's own position
         visible = slots <= last[:, None]  # [rows, T]: causal, and nothing past the context
-        scores = mx.where(visible, scores, mx.array(-mx.inf, dtype=mx.float32))
-        probs = mx.softmax(scores, axis=-1).astype(q.dtype)
-        out = probs.reshape(1, kv_heads, group * rows, width) @ v  # [1, kvh, G*rows, D]
-        outs.append(out.reshape(1, kv_heads, group, rows, dim))
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
-    return out.reshape(1, heads, length, dim)
+        outs.append(mx.fast.scaled_dot_product_attention(
+            q[:, :, start:start + rows], k, v, scale=scale, mask=visible))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
 def kernel_path() -> str | None:
