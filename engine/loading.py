@@ -10,6 +10,7 @@ free of wiring, and makes a restart a matter of dropping one reference.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,9 +31,9 @@ from engine.memory import check_fits
 from engine.models.folder import LoadedModel, dtype_name
 from engine.models.resolve import load_model
 from engine.runner import fallback
-from engine.runner.architecture import supported_kv_shape, verify_architecture
+from engine.runner.architecture import query_heads, supported_kv_shape, verify_architecture
 from engine.runner.disk_sync import DiskSync
-from engine.runner.model_adapter import PagedModel
+from engine.runner.model_adapter import PagedModel, warm_gathered_prefill
 from engine.runner.output import Output
 from engine.runner.step import StepRunner
 from engine.runner.step_batch import bucket_below
@@ -118,6 +119,13 @@ def load_runtime(cfg: EngineConfig, telemetry: Telemetry,
     scheduler = Scheduler(alloc, cfg.max_batch, cfg.prefill_chunk)
     paged_model = PagedModel(loaded.model, pool, use_kernel=use_kernel,
                              cpu_kernel=on_cpu_kernel)
+    if use_kernel and attention.kernel_path() == "cuda-paged":
+        start = time.perf_counter()
+        warmed = warm_gathered_prefill(pool, query_heads(loaded.model), cfg.prefill_chunk,
+                                       max_context)
+        if warmed:
+            logger.info("gathered prefill: %d attention shapes built in %.2f s", warmed,
+                        time.perf_counter() - start)
     output = Output(telemetry, set(loaded.tokenizer.eos_token_ids), max_context)
     on_gpu = mx.default_device() == mx.gpu
     # a GPU plans (graphs, matmuls) per token count: chunks keep to bucketed sizes there

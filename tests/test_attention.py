@@ -167,3 +167,78 @@ def test_gathered_prefill_reads_the_steps_own_chunk_tables() -> None:
         want = reference_prefill(q, k_pool, v_pool, mx.array(list(w.blocks), dtype=mx.int32),
                                  chunk.context_len, 0.25)
         np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
+
+
+def record_attention_shapes(monkeypatch) -> list[tuple[tuple[int, ...], ...]]:
+    """Every call to MLX's fused attention from here on, as its (q, k, v, mask) shapes."""
+    seen: list[tuple[tuple[int, ...], ...]] = []
+    fused = mx.fast.scaled_dot_product_attention
+
+    def recording(q, k, v, *, scale, mask=None, **kw):
+        seen.append((tuple(q.shape), tuple(k.shape), tuple(v.shape),
+                     tuple(mask.shape) if isinstance(mask, mx.array) else ()))
+        return fused(q, k, v, scale=scale, mask=mask, **kw)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recording)
+    return seen
+
+
+def test_a_pastes_gathered_chunks_attend_at_the_few_shapes_the_load_built(monkeypatch) -> None:
+    """On CUDA every new shape of the fused attention costs a cuDNN graph, so the gathered
+    prefill must attend at a small set of shapes, and the load's warm-up must build exactly
+    that set: a paste of 1,500 tokens in chunks of every size a step can take (the budget's
+    floors and a prompt's last remainder, 64 to 256 tokens) at every context on the way,
+    over tables padded as build_step_batch pads them, attends only at shapes the warm-up ran,
+    and those are the powers of two (chunk x table blocks)."""
+    from engine.attention import dispatch
+    from engine.runner.step_batch import bucket
+
+    block_size, kv_heads, head_dim, heads = 8, 2, 16, 4
+    rng = np.random.default_rng(11)
+    k_pool = mx.array(rng.standard_normal((200, block_size, kv_heads, head_dim)), mx.float32)
+    v_pool = mx.array(rng.standard_normal(k_pool.shape), mx.float32)
+    shapes = dispatch.gathered_shapes(64, 256, 200, block_size)
+    # 3 chunk sizes x tables of 8 (64 tokens) to 256 blocks
+    assert shapes == [(n, w) for n in (64, 128, 256) for w in (8, 16, 32, 64, 128, 256)]
+    warmed = record_attention_shapes(monkeypatch)
+    dispatch.warm_gathered_prefill(heads, k_pool, v_pool, shapes, mx.float32)
+    assert len(warmed) == len(shapes) == len(set(warmed))
+    seen = record_attention_shapes(monkeypatch)
+    context = 0
+    for length in [64, 96, 128, 192, 256, 77, 64, 255, 130, 200, 70]:
+        context += length
+        table = mx.array(list(range(1, -(-context // block_size) + 1))
+                         + [0] * (bucket(-(-context // block_size)) - -(-context // block_size)),
+                         dtype=mx.int32)
+        q = mx.array(rng.standard_normal((1, heads, length, head_dim)), mx.float32)
+        out = dispatch.gathered_prefill(q, k_pool, v_pool, table, context, 0.25)
+        want = reference_prefill(q, k_pool, v_pool, table[: -(-context // block_size)],
+                                 context, 0.25)
+        np.testing.assert_allclose(np.array(out), np.array(want), atol=2e-5, rtol=1e-4)
+    assert context == 1532
+    assert set(seen) <= set(warmed), set(seen) - set(warmed)
+    assert len(set(seen)) < len(seen)  # shapes repeat: 11 chunks, fewer graphs
+
+
+def test_warming_the_gathered_prefill_follows_the_switch_and_the_models_heads(monkeypatch):
+    """The load's warm-up runs only when the gathered path is on and a chunk can reach it,
+    over an 8-bit pool too, and reads the query heads from the model's mlx-lm arguments."""
+    from types import SimpleNamespace
+
+    from engine.kv.pool import KVPool, KVShape
+    from engine.runner import model_adapter
+    from engine.runner.architecture import query_heads
+
+    assert query_heads(SimpleNamespace(args=SimpleNamespace(num_attention_heads=9))) == 9
+    assert query_heads(SimpleNamespace(args=SimpleNamespace(n_heads=12))) == 12
+    assert query_heads(SimpleNamespace()) is None
+    pool = KVPool(KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=mx.float32,
+                          quantized=True), 16, 8)
+    monkeypatch.setattr(model_adapter, "GATHERED_PREFILL_FROM", None)
+    assert model_adapter.warm_gathered_prefill(pool, 4, 256, 1000) == 0
+    monkeypatch.setattr(model_adapter, "GATHERED_PREFILL_FROM", 64)
+    assert model_adapter.warm_gathered_prefill(pool, 4, 32, 1000) == 0  # chunks stay below
+    assert model_adapter.warm_gathered_prefill(pool, None, 256, 1000) == 0
+    seen = record_attention_shapes(monkeypatch)
+    # chunks 64, 128, 256 x tables of 8 (64 tokens) to 128 blocks (1,000 tokens: 125)
+    assert model_adapter.warm_gathered_prefill(pool, 4, 256, 1000) == 3 * 5 == len(seen)

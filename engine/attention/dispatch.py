@@ -18,6 +18,8 @@ it gathers, the kernels dequantize as they read.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 from engine.attention.cpu_sdpa import grouped_attention
@@ -143,6 +145,23 @@ def reference_prefill(
 GATHERED_SCORES = 1 << 27
 
 
+def power_of_two_at_least(n: int) -> int:
+    """The smallest power of two not below ``n`` (``n`` >= 1)."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def gathered_shape(length: int, table_blocks: int) -> tuple[int, int]:
+    """The (query tokens, table blocks) ``gathered_prefill`` attends at for a chunk of
+    ``length`` tokens over a table of ``table_blocks``: each rounded up to a power of two.
+
+    On CUDA every new shape of MLX's fused attention costs a cuDNN graph (80-90 ms on an
+    H100, bench/results/gpu.md, session 26), so the shapes must form a small set the engine
+    can build once (``warm_gathered_prefill``): the step's buckets (1.5x apart) would give a
+    paste among streaming chats tens of (chunk, width) pairs; powers of two give
+    log2(chunk) x log2(context) of them, at most 2x the work of each side."""
+    return power_of_two_at_least(length), power_of_two_at_least(table_blocks)
+
+
 def gathered_prefill(
     q: mx.array,
     k_pool: mx.array,
@@ -155,32 +174,84 @@ def gathered_prefill(
 ) -> mx.array:
     """``reference_prefill``'s attention on shapes that do not follow the context length.
 
-    The table's whole (bucketed) width is gathered and the slots past each query's position
-    are masked (a boolean mask array), instead of slicing the gathered K/V to
-    ``context_len``: every chunk of a prompt has its own context length, and on CUDA MLX's
-    fused attention builds a cuDNN graph for each new shape it sees (80-90 ms on an H100).
-    Keyed by the bucket instead, a graph is built once per (chunk, width) bucket and reused:
-    on an H100 (1B shape, 16 layers) a 256-token chunk at 8,192 tokens of context attends
-    in 6.5 ms this way against 17.4 ms in the paged prefill kernel and 15.8 ms with matrix
-    products (bench/results/gpu.md, session 26). q [1, H, L, D] -> same.
+    The table's blocks are gathered at a padded width (``gathered_shape``; the padding names
+    block 0) and the slots past each query's position are masked (a boolean mask array),
+    instead of slicing the gathered K/V to ``context_len``: every chunk of a prompt has its
+    own context length, and on CUDA MLX's fused attention builds a cuDNN graph for each new
+    shape (and strides) it sees. The query is padded alike (rows of zeros that see the whole
+    context, sliced off after) and made contiguous, so each (chunk, width) pair is one graph,
+    built once. On an H100 (1B shape, 16 layers) a 256-token chunk at 8,192 tokens of
+    context attends in 6.5 ms this way against 17.4 ms in the paged prefill kernel and
+    15.8 ms with matrix products (bench/results/gpu.md, session 26). q [1, H, L, D] -> same.
     """
-    _, heads, length, _ = q.shape
-    table = block_table[None]
-    k = gather_kv(k_pool, k_scales, table, q.dtype)  # [1, kvh, T, D]
-    v = gather_kv(v_pool, v_scales, table, q.dtype)
+    _, heads, length, dim = q.shape
+    padded_length, padded_blocks = gathered_shape(length, block_table.shape[0])
+    table = block_table
+    if padded_blocks > table.shape[0]:
+        table = mx.concatenate([table, mx.zeros((padded_blocks - table.shape[0],),
+                                                dtype=table.dtype)])
+    k = gather_kv(k_pool, k_scales, table[None], q.dtype)  # [1, kvh, T, D]
+    v = gather_kv(v_pool, v_scales, table[None], q.dtype)
     width = k.shape[2]
-    tile = length
+    if padded_length > length:
+        q = mx.concatenate([q, mx.zeros((1, heads, padded_length - length, dim), q.dtype)],
+                           axis=2)
+    else:
+        q = mx.contiguous(q)
+    # each query's own position; the padding rows see the whole context (finite softmax)
+    positions = mx.minimum(context_len - length + mx.arange(padded_length), context_len - 1)
+    tile = padded_length
     while tile > 1 and tile * heads * width > GATHERED_SCORES:
         tile = -(-tile // 2)
     slots = mx.arange(width)[None, :]
     outs = []
-    for start in range(0, length, tile):
-        rows = min(tile, length - start)
-        last = context_len - length + start + mx.arange(rows)  # each query's own position
+    for start in range(0, padded_length, tile):
+        last = positions[start:start + tile]
         visible = slots <= last[:, None]  # [rows, T]: causal, and nothing past the context
         outs.append(mx.fast.scaled_dot_product_attention(
-            q[:, :, start:start + rows], k, v, scale=scale, mask=visible))
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+            q[:, :, start:start + tile], k, v, scale=scale, mask=visible))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+    return out[:, :, :length] if padded_length > length else out
+
+
+def gathered_shapes(from_tokens: int, max_chunk: int, max_blocks: int,
+                    block_size: int) -> list[tuple[int, int]]:
+    """Every (query tokens, table blocks) pair ``gathered_prefill`` can attend at for chunks
+    of ``from_tokens`` to ``max_chunk`` tokens over tables of at most ``max_blocks`` (a
+    chunk's table holds at least the chunk: ``from_tokens / block_size`` blocks): what
+    ``warm_gathered_prefill`` builds."""
+    lengths = []
+    n = power_of_two_at_least(from_tokens)
+    while n <= power_of_two_at_least(max_chunk):
+        lengths.append(n)
+        n *= 2
+    shapes = []
+    for length in lengths:
+        width = power_of_two_at_least(-(-from_tokens // block_size))
+        while width <= power_of_two_at_least(max_blocks):
+            shapes.append((length, width))
+            width *= 2
+    return shapes
+
+
+def warm_gathered_prefill(heads: int, k_pool: mx.array, v_pool: mx.array,
+                          shapes: list[tuple[int, int]], dtype: mx.Dtype,
+                          k_scales: mx.array | None = None,
+                          v_scales: mx.array | None = None) -> None:
+    """Run ``gathered_prefill`` once at each of ``shapes`` (``gathered_shapes``) over the
+    pool's block 0, so that on CUDA each cuDNN graph is built at load time and not in a step
+    beside streaming chats (80-90 ms each on an H100). The scale is a tensor of the graph,
+    not part of its key: any value builds the same graph. MLX keeps these graphs in an LRU
+    whose capacity ``MLX_CUDA_SDPA_CACHE_SIZE`` sets when its first graph is built: unless
+    the user set it, it is made room for twice these shapes (the model's own attention
+    calls, if any, share it)."""
+    os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", str(max(256, 2 * len(shapes))))
+    dim = k_pool.shape[-1]
+    for length, blocks in shapes:
+        q = mx.zeros((1, heads, length, dim), dtype)
+        table = mx.zeros((blocks,), dtype=mx.int32)
+        mx.eval(gathered_prefill(q, k_pool, v_pool, table, length, dim ** -0.5,
+                                 k_scales, v_scales))
 
 
 def kernel_path() -> str | None:

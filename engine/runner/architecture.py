@@ -67,6 +67,17 @@ def probe_kv_shape(model: nn.Module) -> KVShape:
     return KVShape(num_layers=len(layers), num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
 
 
+def query_heads(model: nn.Module) -> int | None:
+    """The model's attention (query) heads as its mlx-lm arguments name them, or None where
+    they do not (the K/V probe sees keys and values only)."""
+    args = getattr(model, "args", None)
+    for name in ("num_attention_heads", "n_heads", "num_heads"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def check_paged_matches(model: nn.Module, shape: KVShape, block_size: int) -> float:
     """Run a short prompt and three decode steps through the paged path and through mlx-lm's
     own cache; return the largest logit difference relative to the logits' scale.

@@ -13,9 +13,10 @@ blocks of 16 tokens scattered over the pool. Variants, interleaved repeat by rep
   times the group's heads, at most ``MAX_ROWS`` rows, and reads the whole context for them);
 * ``reference``: ``paged_prefill(use_kernel=False)``, the blocks gathered into a contiguous
   K/V and ``mx.fast.scaled_dot_product_attention`` (causal);
-* ``gathered``: ``dispatch.gathered_prefill``, the table's whole bucketed width gathered,
-  masked, matrix products, scores and softmax in float32 (the engine's path for chunks of
-  ``GATHERED_PREFILL_FROM`` tokens or more on CUDA);
+* ``gathered``: ``dispatch.gathered_prefill``, the chunk and the table padded to powers of
+  two, the blocks gathered, MLX's fused attention with a boolean mask (the engine's path for
+  chunks of ``GATHERED_PREFILL_FROM`` tokens or more on CUDA; before 46076a5 it was matrix
+  products with the scores in float32);
 * ``sdpa``: MLX's attention alone on K/V already contiguous (what the gather adds is the
   difference).
 
