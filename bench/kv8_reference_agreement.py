@@ -25,6 +25,10 @@ greedy paths? The same 20 prompts, 64 greedy tokens, through mlx-lm's ``generate
   - K and V both per channel over each filled block, the open block in full precision;
   - K per channel, V per token, the open block and the filled block before it in full
     precision (16-31 tokens: a larger residual).
+  - the first block (the attention sink: the chat template's first tokens, which every
+    query attends to heavily; in a pool, the system prompt's block, shared by the chats
+    that share it) and the open block in full precision, with the pool's scheme or with K
+    per channel in between.
 
     source scripts/env.sh; .venv/bin/python -m bench.kv8_reference_agreement [--only TEXT]
 """
@@ -67,16 +71,21 @@ class PagedInt8KVCache(KVCache):
         return super().update_and_fetch(through_int8(keys), through_int8(values))
 
 
-def _filled_blocks(x: mx.array, quantized, full_blocks: int = 0) -> mx.array:
+def _filled_blocks(x: mx.array, quantized, full_blocks: int = 0,
+                   sink_blocks: int = 0) -> mx.array:
     """x [B, heads, T, D] with its first BLOCK * (T // BLOCK) tokens through ``quantized``
     (a function of [B, heads, blocks, BLOCK, D]) and the open block as it is; with
-    ``full_blocks``, that many filled blocks before the open one as they are too."""
+    ``full_blocks``, that many filled blocks before the open one as they are too; with
+    ``sink_blocks``, that many first blocks as they are (the attention sink: the first
+    tokens take a large share of every query's attention)."""
     b, h, t, d = x.shape
     n = max(t // BLOCK - full_blocks, 0) * BLOCK
-    if n == 0:
+    first = min(sink_blocks * BLOCK, n)
+    if n - first <= 0:
         return x
-    blocks = quantized(x[:, :, :n].reshape(b, h, n // BLOCK, BLOCK, d)).reshape(b, h, n, d)
-    return mx.concatenate([blocks, x[:, :, n:]], axis=2) if n < t else blocks
+    middle = x[:, :, first:n].reshape(b, h, (n - first) // BLOCK, BLOCK, d)
+    parts = [x[:, :, :first], quantized(middle).reshape(b, h, n - first, d), x[:, :, n:]]
+    return mx.concatenate([p for p in parts if p.shape[2]], axis=2)
 
 
 def _per_token(blocks: mx.array) -> mx.array:
@@ -98,11 +107,12 @@ class OpenBlockFullCache(KVCache):
     k_scheme = staticmethod(_per_token)
     v_scheme = staticmethod(_per_token)
     full_blocks = 0  # filled blocks before the open one also kept in full precision
+    sink_blocks = 0  # first blocks kept in full precision
 
     def update_and_fetch(self, keys, values):
         k, v = super().update_and_fetch(keys, values)
-        return (_filled_blocks(k, self.k_scheme, self.full_blocks),
-                _filled_blocks(v, self.v_scheme, self.full_blocks))
+        return (_filled_blocks(k, self.k_scheme, self.full_blocks, self.sink_blocks),
+                _filled_blocks(v, self.v_scheme, self.full_blocks, self.sink_blocks))
 
 
 class PerChannelKeysCache(OpenBlockFullCache):
@@ -136,6 +146,19 @@ class PerChannelKeysTwoBlocksCache(PerChannelKeysCache):
     in full precision, as a larger KIVI residual)."""
 
     full_blocks = 1
+
+
+class SinkOpenBlockFullCache(OpenBlockFullCache):
+    """The pool's scheme (per token), the first block and the open block in full precision."""
+
+    sink_blocks = 1
+
+
+class PerChannelKeysSinkCache(PerChannelKeysCache):
+    """K per channel, V per token, the first block and the open block in full precision (a
+    chat's first block is its system prompt's, shared by the chats that share it)."""
+
+    sink_blocks = 1
 
 
 class PerChannelBothCache(OpenBlockFullCache):
@@ -182,6 +205,10 @@ if __name__ == "__main__":
         "K and V per channel a block, the open block in full precision": PerChannelBothCache,
         "K per channel a block, V per token, the open block and the one before in full":
             PerChannelKeysTwoBlocksCache,
+        "PagedChat's scheme, the first block (sink) and the open block in full":
+            SinkOpenBlockFullCache,
+        "K per channel a block, V per token, the first block (sink) and the open block in full":
+            PerChannelKeysSinkCache,
     }
     variants = {name: v for name, v in variants.items() if args.only in name}
     reference = [greedy(model, p) for p in prompts]

@@ -193,6 +193,7 @@ def test_a_pastes_gathered_chunks_attend_at_the_few_shapes_the_load_built(monkey
     from engine.attention import dispatch
     from engine.runner.step_batch import bucket
 
+    monkeypatch.setenv("MLX_CUDA_SDPA_CACHE_SIZE", "256")  # the warm-up sets it otherwise
     block_size, kv_heads, head_dim, heads = 8, 2, 16, 4
     rng = np.random.default_rng(11)
     k_pool = mx.array(rng.standard_normal((200, block_size, kv_heads, head_dim)), mx.float32)
@@ -233,6 +234,7 @@ def test_warming_the_gathered_prefill_follows_the_switch_and_the_models_heads(mo
     assert query_heads(SimpleNamespace(args=SimpleNamespace(num_attention_heads=9))) == 9
     assert query_heads(SimpleNamespace(args=SimpleNamespace(n_heads=12))) == 12
     assert query_heads(SimpleNamespace()) is None
+    monkeypatch.setenv("MLX_CUDA_SDPA_CACHE_SIZE", "256")  # the warm-up sets it otherwise
     pool = KVPool(KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype=mx.float32,
                           quantized=True), 16, 8)
     monkeypatch.setattr(model_adapter, "GATHERED_PREFILL_FROM", None)

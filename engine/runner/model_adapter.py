@@ -40,13 +40,15 @@ from engine.runner.step_batch import StepBatch, blas_rows
 #: instead of MLX's scatters. A switch for measuring the two (bench/gpu_bench.py --kv-write).
 STORE_IN_PLACE = True
 #: On CUDA's kernel path, a prefill chunk of at least this many tokens attends over its
-#: gathered blocks with MLX's matrix products (``dispatch.gathered_prefill``) instead of the
-#: paged kernel, and that step's layers write by scatters (a gather is not ordered after an
-#: in-place write). The paged prefill kernel serves ``cuda.PREFILL_TOKENS_PER_BLOCK`` query
-#: tokens x the group's heads per thread block (two tokens for a group of 4) and each block
-#: reads the whole context, so a long chunk reads its context hundreds of times;
+#: gathered blocks with MLX's fused attention at padded shapes (``dispatch.gathered_prefill``,
+#: each shape built at load by ``warm_gathered_prefill``) instead of the paged kernel, and
+#: that step's layers write by scatters (a gather is not ordered after an in-place write).
+#: The paged prefill kernel serves ``cuda.PREFILL_TOKENS_PER_BLOCK`` query tokens x the
+#: group's heads per thread block (two tokens for a group of 4) and each block reads the
+#: whole context, so a long chunk reads its context hundreds of times;
 #: scripts/gpu/prefill_attention.py times them. None: the kernel for every chunk, the default
-#: until the GPU check has run with it (bench/gpu_bench.py --gathered-prefill N turns it on).
+#: until a GPU A/B and the GPU check have run with it (bench/gpu_bench.py --gathered-prefill
+#: N turns it on for a run).
 GATHERED_PREFILL_FROM: int | None = None
 
 
