@@ -28,9 +28,11 @@ greedy paths? The same 20 prompts, 64 greedy tokens, through mlx-lm's ``generate
   - the first block (the attention sink: the chat template's first tokens, which every
     query attends to heavily; in a pool, the system prompt's block, shared by the chats
     that share it) and the open block in full precision, with the pool's scheme or with K
-    per channel in between.
+    per channel in between; with K per channel, also the filled block before the open one,
+    or the first two blocks, in full precision; and the first, the open and the one before
+    rounded to bf16 instead (what an fp32 model's pool could hold them as).
 
-    source scripts/env.sh; .venv/bin/python -m bench.kv8_reference_agreement [--only TEXT]
+    source scripts/env.sh; .venv/bin/python -m bench.kv8_reference_agreement [--only TEXT[|TEXT...]]
 """
 
 from __future__ import annotations
@@ -72,20 +74,26 @@ class PagedInt8KVCache(KVCache):
 
 
 def _filled_blocks(x: mx.array, quantized, full_blocks: int = 0,
-                   sink_blocks: int = 0) -> mx.array:
+                   sink_blocks: int = 0, kept=lambda y: y) -> mx.array:
     """x [B, heads, T, D] with its first BLOCK * (T // BLOCK) tokens through ``quantized``
     (a function of [B, heads, blocks, BLOCK, D]) and the open block as it is; with
     ``full_blocks``, that many filled blocks before the open one as they are too; with
     ``sink_blocks``, that many first blocks as they are (the attention sink: the first
-    tokens take a large share of every query's attention)."""
+    tokens take a large share of every query's attention); ``kept``: what the tokens kept
+    out of 8 bits go through (as they are by default)."""
     b, h, t, d = x.shape
     n = max(t // BLOCK - full_blocks, 0) * BLOCK
     first = min(sink_blocks * BLOCK, n)
     if n - first <= 0:
-        return x
+        return kept(x)
     middle = x[:, :, first:n].reshape(b, h, (n - first) // BLOCK, BLOCK, d)
-    parts = [x[:, :, :first], quantized(middle).reshape(b, h, n - first, d), x[:, :, n:]]
+    parts = [kept(x[:, :, :first]), quantized(middle).reshape(b, h, n - first, d),
+             kept(x[:, :, n:])]
     return mx.concatenate([p for p in parts if p.shape[2]], axis=2)
+
+
+def _bf16(x: mx.array) -> mx.array:
+    return x.astype(mx.bfloat16).astype(x.dtype)
 
 
 def _per_token(blocks: mx.array) -> mx.array:
@@ -161,6 +169,28 @@ class PerChannelKeysSinkCache(PerChannelKeysCache):
     sink_blocks = 1
 
 
+class PerChannelKeysSinkTwoBlocksCache(PerChannelKeysSinkCache):
+    """As PerChannelKeysSinkCache, with the last filled block in full precision too."""
+
+    full_blocks = 1
+
+
+class PerChannelKeysSinkTwoBlocksBf16Cache(PerChannelKeysSinkTwoBlocksCache):
+    """As PerChannelKeysSinkTwoBlocksCache, the blocks kept out of 8 bits held in bf16 (what
+    a pool of an fp32 model could store them as: 2 bytes a value, not 4)."""
+
+    def update_and_fetch(self, keys, values):
+        k, v = KVCache.update_and_fetch(self, keys, values)
+        return (_filled_blocks(k, self.k_scheme, self.full_blocks, self.sink_blocks, _bf16),
+                _filled_blocks(v, self.v_scheme, self.full_blocks, self.sink_blocks, _bf16))
+
+
+class PerChannelKeysTwoSinksCache(PerChannelKeysCache):
+    """K per channel, V per token, the first two blocks and the open block in full precision."""
+
+    sink_blocks = 2
+
+
 class PerChannelBothCache(OpenBlockFullCache):
     """K and V per channel over each filled block, the open block in full precision."""
 
@@ -184,7 +214,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="", help="run the variants whose name holds TEXT")
+    parser.add_argument("--only", default="",
+                        help="run the variants whose name holds TEXT (alternatives: A|B)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     loaded = load_model("default")
@@ -209,8 +240,15 @@ if __name__ == "__main__":
             SinkOpenBlockFullCache,
         "K per channel a block, V per token, the first block (sink) and the open block in full":
             PerChannelKeysSinkCache,
+        "K per channel a block, V per token, the first block (sink), the open one and the one "
+        "before in full": PerChannelKeysSinkTwoBlocksCache,
+        "K per channel a block, V per token, the first two blocks (sink) and the open block in "
+        "full": PerChannelKeysTwoSinksCache,
+        "K per channel a block, V per token, the first block (sink), the open one and the one "
+        "before in bf16": PerChannelKeysSinkTwoBlocksBf16Cache,
     }
-    variants = {name: v for name, v in variants.items() if args.only in name}
+    variants = {name: v for name, v in variants.items()
+                if any(text in name for text in args.only.split("|"))}
     reference = [greedy(model, p) for p in prompts]
     print(f"# Greedy agreement with the fp32 cache, mlx-lm only ({len(prompts)} prompts, "
           f"{MAX_TOKENS} tokens; {loaded.name})\n")
