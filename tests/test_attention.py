@@ -243,5 +243,10 @@ def test_warming_the_gathered_prefill_follows_the_switch_and_the_models_heads(mo
     assert model_adapter.warm_gathered_prefill(pool, 4, 32, 1000) == 0  # chunks stay below
     assert model_adapter.warm_gathered_prefill(pool, None, 256, 1000) == 0
     seen = record_attention_shapes(monkeypatch)
-    # chunks 64, 128, 256 x tables of 8 (64 tokens) to 128 blocks (1,000 tokens: 125)
-    assert model_adapter.warm_gathered_prefill(pool, 4, 256, 1000) == 3 * 5 == len(seen)
+    # chunks 64, 128, 256 x tables of 8 (64 tokens) to 16 blocks: the pool's 16 blocks hold
+    # no longer sequence than that, though the model's context is 1,000 tokens (125 blocks)
+    assert model_adapter.warm_gathered_prefill(pool, 4, 256, 1000) == 3 * 2 == len(seen)
+    seen.clear()
+    big = KVPool(KVShape(num_layers=1, num_kv_heads=2, head_dim=16, dtype=mx.float32), 200, 8)
+    # a pool of 200 blocks: tables of 8 to 128 blocks (1,000 tokens: 125)
+    assert model_adapter.warm_gathered_prefill(big, 4, 256, 1000) == 3 * 5 == len(seen)

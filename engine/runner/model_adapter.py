@@ -62,14 +62,16 @@ def warm_gathered_prefill(pool: KVPool, heads: int | None, max_chunk: int,
                           max_context: int) -> int:
     """Build, at load, every shape the gathered prefill can attend at in this engine
     (``dispatch.gathered_shapes``: chunks of ``GATHERED_PREFILL_FROM`` to ``max_chunk``
-    tokens, tables up to ``max_context``), so that on CUDA no step beside streaming chats
+    tokens, tables up to ``max_context`` or the pool's whole size, whichever is smaller), so
+    that on CUDA no step beside streaming chats
     pays a cuDNN graph (80-90 ms each on an H100). Returns how many shapes it ran: 0 when the
     path is off, no chunk reaches it, or the model's query heads are not known (``heads``;
     then the first use of each shape builds it)."""
     if GATHERED_PREFILL_FROM is None or max_chunk < GATHERED_PREFILL_FROM or not heads:
         return 0
     shapes = attention.gathered_shapes(GATHERED_PREFILL_FROM, max_chunk,
-                                       -(-max_context // pool.block_size), pool.block_size)
+                                       min(-(-max_context // pool.block_size),
+                                           pool.num_blocks), pool.block_size)
     k_scales, v_scales = pool.scales(0)
     attention.warm_gathered_prefill(heads, pool.keys[0], pool.values[0], shapes,
                                     pool.shape.dtype, k_scales, v_scales)
