@@ -40,7 +40,11 @@ bucket; the step is free; the next offer is the same. On an H100 a paste ran 8-3
 step to its end that way in half of 8 runs (2.5-3.4 s among the chats against 1.3-1.4 s:
 bench/results/gpu.md, session 23). So after ``PROBE_AFTER`` free steps in a row that could
 not grow the knee, the next step offers half the knee more (at least ``min_chunk``): free, it
-raises the knee; costly, it prices the tokens past the knee at the current context. A costly
+raises the knee; costly, it prices the tokens past the knee at the current context. It probes
+also where the line's offer is past the knee: a paste yielding to a focused chat takes only
+``free_tokens``, so a knee its yield share had set would hold it at that share to its end
+(tests/test_prefill_budget.py; on session 27's H100, steps of 64 and 256 tokens cost the
+same). A costly
 probe doubles the free steps the next one waits for (up to ``PROBE_MAX_AFTER``), so where the
 line was right probes stay rare; a free one resets the wait. A probe is the one step the
 budget lets pass its target on purpose. On the CPU steps are seldom free (its knee is 0): no
@@ -153,10 +157,13 @@ class PrefillBudget:
             fits = self._shaped(knee + self.cost.tokens_within(min(credit, peak),
                                                                context + knee))
         self.free_tokens = min(fits, knee)
-        if knee and fits <= knee and self._free_run >= self._probe_after:
+        # Free steps that did not raise the knee: the line offered no more (fits <= knee), or
+        # the prompt took no more (a paste yielding to a focused chat takes the free tokens
+        # only, so with the line's offer past the knee it would never test past it).
+        if knee and self._free_run >= self._probe_after:
             probe = self._shaped(knee + max(self.min_chunk, knee // 2))
             if probe > knee:
-                fits, self._probe_tokens, self._free_run = probe, probe, 0
+                fits, self._probe_tokens, self._free_run = max(fits, probe), probe, 0
                 self.free_tokens = probe
         # A prompt whose smallest chunk costs more than a step's allowance keeps what its
         # chunk left of the credit (the peak capped the chunk: that allowance is its share,
