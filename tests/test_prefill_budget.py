@@ -28,6 +28,41 @@ def simulate(budget: PrefillBudget, decode: float, overhead: float, per_token: f
     return ratios
 
 
+
+def yielding_paste(budget: PrefillBudget, card, decode: float,
+                   free_tokens_used: bool = True) -> tuple[list[int], float]:
+    """An 8,000-token paste yielding to a focused chat that decodes beside it, scheduled by
+    the real scheduler under ``budget`` on a simulated card (``card(prompt tokens)``: the
+    step's seconds): the paste's tokens in each step, and the worst step over ``decode``."""
+    from engine.config import Priority
+    from engine.events import SequenceState
+    from engine.kv.blocks import BlockAllocator
+    from engine.sched.scheduler import Scheduler
+    from tests.test_scheduler import make_seq, run
+
+    sched = Scheduler(BlockAllocator(1024, 16), max_batch=8, prefill_chunk=256)
+    focused = make_seq([1, 2, 3], "focused")
+    focused.request.priority = Priority.INTERACTIVE
+    sched.add(focused)
+    run(sched, sched.schedule())
+    paste = make_seq(list(range(8000)), "paste")
+    sched.add(paste)
+    taken, worst = [], 0.0
+    while paste.state is not SequenceState.DECODING:
+        context = paste.num_in_table
+        n = budget.budget(decoding=True, context=context)
+        free = budget.free_tokens if free_tokens_used else 0
+        plan = sched.schedule(n, continue_prompts=not budget.holding, free_tokens=free)
+        tokens = sum(len(w.tokens) for w in plan.works if w.seq is paste)
+        assert any(w.seq is focused for w in plan.works)  # the focused chat decodes
+        step = card(tokens)
+        budget.observe(step, decode_rows=1, prompt_tokens=tokens,
+                       prompt_context=context + tokens / 2)
+        run(sched, plan)
+        taken.append(tokens)
+        worst = max(worst, step / decode)
+    return taken, worst
+
 @pytest.mark.parametrize("decode, overhead, per_token", [
     (0.050, 0.002, 0.002),  # CPU-like: a prompt token costs a 25th of a decode step
     (0.010, 0.0005, 0.00002),  # GPU-like: prompt tokens are cheap
@@ -354,43 +389,17 @@ def test_a_yielding_paste_reads_a_launch_bound_steps_free_tokens():
     reads the free tokens each step, so it finishes in close to 8,000 / 128 steps, where the
     background share alone (64) takes twice as many; no step passes the p99 bound (2.5
     decode steps)."""
-    from engine.config import Priority
-    from engine.events import SequenceState
-    from engine.kv.blocks import BlockAllocator
-    from engine.sched.scheduler import Scheduler
-    from tests.test_scheduler import make_seq, run
-
     decode = 0.0062
 
     def card(n: int) -> float:
         return decode + max(0, n - 128) * 0.0001
 
     def paste_steps(free_tokens_used: bool) -> tuple[int, float]:
-        sched = Scheduler(BlockAllocator(1024, 16), max_batch=8, prefill_chunk=256)
         budget = PrefillBudget(max_chunk=256, min_chunk=8, target=2.0, floor=bucket_below)
-        focused = make_seq([1, 2, 3], "focused")
-        focused.request.priority = Priority.INTERACTIVE
-        sched.add(focused)
-        run(sched, sched.schedule())
         for _ in range(4):
             budget.observe(decode, decode_rows=1, prompt_tokens=0)
-        paste = make_seq(list(range(8000)), "paste")
-        sched.add(paste)
-        steps, worst = 0, 0.0
-        while paste.state is not SequenceState.DECODING:
-            context = paste.num_in_table
-            n = budget.budget(decoding=True, context=context)
-            free = budget.free_tokens if free_tokens_used else 0
-            plan = sched.schedule(n, continue_prompts=not budget.holding, free_tokens=free)
-            tokens = sum(len(w.tokens) for w in plan.works if w.seq is paste)
-            assert any(w.seq is focused for w in plan.works)  # the focused chat decodes
-            step = card(tokens)
-            budget.observe(step, decode_rows=1, prompt_tokens=tokens,
-                           prompt_context=context + tokens / 2)
-            run(sched, plan)
-            steps += 1
-            worst = max(worst, step / decode)
-        return steps, worst
+        taken, worst = yielding_paste(budget, card, decode, free_tokens_used)
+        return len(taken), worst
 
     with_free, worst = paste_steps(True)
     share_only, _ = paste_steps(False)
@@ -410,18 +419,11 @@ def test_a_yielding_paste_probes_past_a_knee_its_share_set():
     one that follows once that is right). A yielding paste must probe past the knee its share
     set and read the free tokens again, no step of the focused chat passing the p99 bound
     (2.5 decode steps)."""
-    from engine.config import Priority
-    from engine.events import SequenceState
-    from engine.kv.blocks import BlockAllocator
-    from engine.sched.scheduler import Scheduler
-    from tests.test_scheduler import make_seq, run
-
     decode = 0.0105
 
     def card(n: int) -> float:  # launch-bound: a whole 256-token chunk rides along free
         return decode * 1.03
 
-    sched = Scheduler(BlockAllocator(1024, 16), max_batch=8, prefill_chunk=256)
     budget = PrefillBudget(max_chunk=256, min_chunk=8, target=2.0, floor=bucket_below)
     for _ in range(4):
         budget.observe(decode, decode_rows=4, prompt_tokens=0)
@@ -430,26 +432,7 @@ def test_a_yielding_paste_probes_past_a_knee_its_share_set():
     budget.observe(decode * 1.3, decode_rows=4, prompt_tokens=256, prompt_context=3200)
     assert budget.knee == 0  # the noisy step cleared it, and priced the tokens
 
-    focused = make_seq([1, 2, 3], "focused")
-    focused.request.priority = Priority.INTERACTIVE
-    sched.add(focused)
-    run(sched, sched.schedule())
-    paste = make_seq(list(range(8000)), "paste")
-    sched.add(paste)
-    taken, worst = [], 0.0
-    while paste.state is not SequenceState.DECODING:
-        context = paste.num_in_table
-        n = budget.budget(decoding=True, context=context)
-        plan = sched.schedule(n, continue_prompts=not budget.holding,
-                              free_tokens=budget.free_tokens)
-        tokens = sum(len(w.tokens) for w in plan.works if w.seq is paste)
-        assert any(w.seq is focused for w in plan.works)  # the focused chat decodes
-        step = card(tokens)
-        budget.observe(step, decode_rows=1, prompt_tokens=tokens,
-                       prompt_context=context + tokens / 2)
-        run(sched, plan)
-        taken.append(tokens)
-        worst = max(worst, step / decode)
+    taken, worst = yielding_paste(budget, card, decode)
     assert max(taken) == 256, taken  # the free tokens come back
     assert len(taken) <= 8000 / 128, (len(taken), taken)  # at the share alone: 125 steps
     assert worst <= 2.5, worst
