@@ -28,7 +28,6 @@ def simulate(budget: PrefillBudget, decode: float, overhead: float, per_token: f
     return ratios
 
 
-
 def yielding_paste(budget: PrefillBudget, card, decode: float,
                    free_tokens_used: bool = True) -> tuple[list[int], float]:
     """An 8,000-token paste yielding to a focused chat that decodes beside it, scheduled by
@@ -62,6 +61,7 @@ def yielding_paste(budget: PrefillBudget, card, decode: float,
         taken.append(tokens)
         worst = max(worst, step / decode)
     return taken, worst
+
 
 @pytest.mark.parametrize("decode, overhead, per_token", [
     (0.050, 0.002, 0.002),  # CPU-like: a prompt token costs a 25th of a decode step
