@@ -8,7 +8,9 @@ the paste's context: a tiny random-weight model on the CPU, so what grows is hos
 every token): the bookkeeping phase then grows with the streams' length (0.5 to 4.5 ms a step
 over one paste on the CI machine), against a flat 0.3 ms with the byte-level tokenizer and
 ``BPEStreamingDetokenizer`` (bench/results/gpu.md, session 24). On the CPU the build phase
-also grows with the context: there it holds the CPU attention kernel's own work.
+also grows with the context: there it holds the CPU attention kernel's own work. The steps
+the prefill budget held (decodes only, mid-paste) get their own row; the rows by context are
+the steps that carried a chunk.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
                                     "tiny", mx.float32)
     eng = gpu_bench.start_engine(loaded, max_batch=8, kv_mib=256.0, prefill_chunk=256)
     stepper = eng.runtime.stepper
-    rows: list[tuple] = []  # (step s, *phase s, paste context, prompts under way)
+    # (step s, *phase s, held: the budget kept the prompts under way out of the step,
+    #  paste context, prompts under way)
+    rows: list[tuple] = []
     real_step = stepper.step
 
     def step() -> None:
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         t = stepper._times
         running = stepper.scheduler.running.values()
         rows.append((time.perf_counter() - t0, *(getattr(t, p) for p in PHASES),
-                     max((s.num_in_table for s in running), default=0),
+                     stepper.prefill.holding, max((s.num_in_table for s in running), default=0),
                      sum(1 for s in running if s.num_to_feed >= 2)))
 
     stepper.step = step
@@ -95,8 +99,12 @@ def main(argv: list[str] | None = None) -> None:
           f"paste {args.paste} tokens, {mx.default_device()}")
     show("before", rows[10:before])
     during = [r for r in rows[before:] if r[-1] > 0]
+    # A step the budget held is one of decodes only, mid-paste: on an H100 those cost 2 ms
+    # more than the decode steps before the paste (bench/results/gpu.md, session 27); the
+    # phases say whether that is host work.
+    show("held, during", [r for r in during if r[-3]])
     for lo in range(0, args.paste, 1000):
-        show(f"ctx {lo}-{lo + 1000}", [r for r in during if lo <= r[-2] < lo + 1000])
+        show(f"ctx {lo}-{lo + 1000}", [r for r in during if lo <= r[-2] < lo + 1000 and not r[-3]])
 
 
 if __name__ == "__main__":
